@@ -1,0 +1,244 @@
+"""One config-driven decoder (Flax NNX) for the Llama, Mistral, Qwen2/3 and Gemma 2/3 families.
+
+Per-layer weights are stacked on a leading `layers` axis, so the same parameters run under `lax.scan` (compile time
+flat in depth) or an unrolled Python loop. Sliding/global layers differ only in their window and RoPE frequencies,
+which are scanned alongside the weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jalign.models.attention import apply_rope, attention_mask, gqa_attention, positions_from_mask
+from jalign.models.config import ModelConfig
+
+AXES = "axes"  # metadata key holding each parameter's logical axis names
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+  if init == "normal":  # HF initializer_range default
+    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+  elif init == "ones":
+    value = jnp.ones(shape, jnp.float32)
+  else:
+    value = jnp.zeros(shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), **{AXES: axes})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Preallocated keys/values for decoding. `segment_BxS` is 0 for empty or padding slots; `index` is the next
+  slot to write (shared by the batch: left-padded prompts keep every row in step)."""
+  k_LxBxSxKxH: jax.Array
+  v_LxBxSxKxH: jax.Array
+  segment_BxS: jax.Array
+  index: jax.Array
+
+  @classmethod
+  def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype or cfg.dtype
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_len), jnp.int32),
+               jnp.zeros((), jnp.int32))
+
+
+class Layers(nnx.Module):
+  """All decoder blocks' weights, stacked [L, ...]."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    L, D, F, N, K, H = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                        cfg.num_kv_heads, cfg.head_dim)
+    pd = cfg.param_dtype
+    norm_init = "zeros" if cfg.norm_offset else "ones"
+    p = lambda shape, axes, init="normal": _param(rngs, shape, axes, pd, init)
+    self.attn_norm = p((L, D), ("layers", "norm"), norm_init)
+    self.q = p((L, D, N, H), ("layers", "embed", "heads", "head_dim"))
+    self.k = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+    self.v = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+    self.o = p((L, N, H, D), ("layers", "heads", "head_dim", "embed"))
+    if cfg.qkv_bias:
+      self.q_bias = p((L, N, H), ("layers", "heads", "head_dim"), "zeros")
+      self.k_bias = p((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+      self.v_bias = p((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.out_bias:
+      self.o_bias = p((L, D), ("layers", "norm"), "zeros")
+    if cfg.qk_norm:
+      self.q_norm = p((L, H), ("layers", "norm"), norm_init)
+      self.k_norm = p((L, H), ("layers", "norm"), norm_init)
+    if cfg.post_norms:
+      self.post_attn_norm = p((L, D), ("layers", "norm"), norm_init)
+      self.post_ffw_norm = p((L, D), ("layers", "norm"), norm_init)
+    self.ffw_norm = p((L, D), ("layers", "norm"), norm_init)
+    self.gate = p((L, D, F), ("layers", "embed", "mlp"))
+    self.up = p((L, D, F), ("layers", "embed", "mlp"))
+    self.down = p((L, F, D), ("layers", "mlp", "embed"))
+    if cfg.mlp_bias:
+      self.gate_bias = p((L, F), ("layers", "mlp"), "zeros")
+      self.up_bias = p((L, F), ("layers", "mlp"), "zeros")
+      self.down_bias = p((L, D), ("layers", "norm"), "zeros")
+
+  def arrays(self) -> dict[str, jax.Array]:
+    return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def rms_norm(x, w, cfg: ModelConfig):
+  """RMSNorm in fp32. Llama casts back before scaling by w; Gemma scales by (1 + w) in fp32, then casts."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+  if cfg.norm_offset:
+    return (y * (cfg.norm_offset + w.astype(jnp.float32))).astype(x.dtype)
+  return (w.astype(x.dtype) * y.astype(x.dtype)).astype(x.dtype)
+
+
+def _activation(name: str):
+  return {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+          "gelu": lambda x: jax.nn.gelu(x, approximate=False)}[name]
+
+
+def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
+                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index):
+  """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None."""
+  dt = x_BxTxD.dtype
+  w = lambda name: lp[name].astype(dt)
+  h = rms_norm(x_BxTxD, lp["attn_norm"], cfg)
+  q = jnp.einsum("btd,dnh->btnh", h, w("q"))
+  k = jnp.einsum("btd,dkh->btkh", h, w("k"))
+  v = jnp.einsum("btd,dkh->btkh", h, w("v"))
+  if cfg.qkv_bias:
+    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+  if cfg.qk_norm:
+    q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
+  q = apply_rope(q, positions_BxT, inv_freq_H2)
+  k = apply_rope(k, positions_BxT, inv_freq_H2)
+  if kv is None:
+    keys, values, k_segment = k, v, q_segment_BxT
+    new_kv = None
+  else:
+    cache_k, cache_v, k_segment = kv
+    keys = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), cache_index, axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), cache_index, axis=1)
+    new_kv = (keys, values)
+    keys, values = keys.astype(dt), values.astype(dt)
+  mask = attention_mask(q_segment_BxT, k_segment, q_index_T, window)
+  attn = gqa_attention(q, keys, values, mask, scale=cfg.scale, softcap=cfg.attn_softcap)
+  out = jnp.einsum("btnh,nhd->btd", attn, w("o"))
+  if cfg.out_bias:
+    out = out + w("o_bias")
+  if cfg.post_norms:
+    out = rms_norm(out, lp["post_attn_norm"], cfg)
+  x = x_BxTxD + out
+
+  h = rms_norm(x, lp["ffw_norm"], cfg)
+  gate = jnp.einsum("btd,df->btf", h, w("gate"))
+  up = jnp.einsum("btd,df->btf", h, w("up"))
+  if cfg.mlp_bias:
+    gate, up = gate + w("gate_bias"), up + w("up_bias")
+  out = jnp.einsum("btf,fd->btd", _activation(cfg.activation)(gate) * up, w("down"))
+  if cfg.mlp_bias:
+    out = out + w("down_bias")
+  if cfg.post_norms:
+    out = rms_norm(out, lp["post_ffw_norm"], cfg)
+  return x + out, new_kv
+
+
+def _remat(fn, mode: str):
+  if mode == "full":
+    return jax.checkpoint(fn, static_argnums=(0,))
+  if mode == "dots":
+    return jax.checkpoint(fn, static_argnums=(0,), policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+  return fn
+
+
+class Decoder(nnx.Module):
+  """Decoder-only LM. `forward` returns hidden states (the LM head is applied by the log-prob kernels in
+  training); `__call__`/`logits` apply the head for inference and tests."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
+    self.layers = Layers(cfg, rngs)
+    self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), cfg.param_dtype,
+                             "zeros" if cfg.norm_offset else "ones")
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
+
+  def unembed(self) -> jax.Array:
+    """The output projection as [D, V]."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+  def forward(self, input_ids_BxT, attention_mask_BxT=None, *, positions_BxT=None, segment_ids_BxT=None,
+              cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    """Hidden states after the final norm, [B, T, D], and the updated cache.
+
+    Padding: `attention_mask_BxT` (1 = token; left padding fine) gives positions like transformers' `generate`.
+    Packing: `segment_ids_BxT` (1, 2, ... per packed sequence, 0 = padding) with `positions_BxT` restarting at 0.
+    Decoding: pass a `KVCache`; the new tokens are written at `cache.index`.
+    """
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    B, T = input_ids_BxT.shape
+    if segment_ids_BxT is None:
+      segment_ids_BxT = (jnp.ones((B, T), jnp.int32) if attention_mask_BxT is None
+                         else attention_mask_BxT.astype(jnp.int32))
+    if positions_BxT is None:
+      if cache is not None and attention_mask_BxT is None:
+        raise ValueError("decoding with a cache needs positions_BxT (or an attention mask for the prefill)")
+      positions_BxT = positions_from_mask(segment_ids_BxT != 0)
+    cache_index = jnp.zeros((), jnp.int32) if cache is None else cache.index
+    q_index_T = cache_index + jnp.arange(T)
+
+    x = jnp.take(self.embed[...], input_ids_BxT, axis=0).astype(dt)
+    if cfg.embed_scale:
+      x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dt)
+    stacked = self.layers.arrays()
+    windows_L = jnp.asarray(cfg.layer_windows())
+    inv_freq_LxH2 = jnp.asarray(cfg.layer_inv_freq())
+    k_segment = None
+    if cache is not None:
+      k_segment = jax.lax.dynamic_update_slice_in_dim(cache.segment_BxS, segment_ids_BxT.astype(jnp.int32),
+                                                      cache_index, axis=1)
+    layer = _remat(decoder_layer, cfg.remat)
+
+    def body(x, xs):
+      lp, window, inv_freq, kv = xs
+      kv = None if kv is None else (*kv, k_segment)
+      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, kv, cache_index)
+
+    kv_L = None if cache is None else (cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
+    xs = (stacked, windows_L, inv_freq_LxH2, kv_L)
+    if cfg.scan_layers:
+      x, new_kv = jax.lax.scan(body, x, xs)
+    else:
+      outs = []
+      for i in range(cfg.num_layers):
+        x, kv_i = body(x, jax.tree.map(lambda a: a[i], xs))
+        outs.append(kv_i)
+      new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    hidden = rms_norm(x, self.final_norm[...], cfg)
+    if cache is not None:
+      cache = KVCache(new_kv[0], new_kv[1], k_segment, cache_index + T)
+    return hidden, cache
+
+  def logits(self, hidden_BxTxD) -> jax.Array:
+    logits = jnp.einsum("btd,dv->btv", hidden_BxTxD, self.unembed().astype(hidden_BxTxD.dtype),
+                        preferred_element_type=jnp.float32)
+    if self.cfg.final_softcap is not None:  # Gemma 2
+      logits = jnp.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+    return logits
+
+  def __call__(self, input_ids_BxT, attention_mask_BxT=None, **kw) -> jax.Array:
+    hidden, _ = self.forward(input_ids_BxT, attention_mask_BxT, **kw)
+    return self.logits(hidden)
+
+
+def logical_axes(model: nnx.Module) -> Any:
+  """The state of `model` with each parameter replaced by its tuple of logical axis names."""
+  return jax.tree.map(lambda v: v.get_metadata().get(AXES) or (None,) * v.ndim if hasattr(v, "ndim") else None,
+                      nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,303 @@
+"""Hugging Face checkpoints in and out: `from_pretrained` and `save_pretrained`.
+
+Tensors are renamed and reshaped between HF's per-layer `[out, in]` Linear weights and jalign's stacked
+`[layers, in, heads, head_dim]`-style parameters, converted to the requested dtype, and each device's shard is read
+straight from the memory-mapped files (`jax.make_array_from_callback`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jalign.models import safetensors_io as st
+from jalign.models.config import ModelConfig, load_hf_config, to_hf_config
+from jalign.models.decoder import Decoder, logical_axes
+from jalign.models.sharding import DEFAULT_RULES, named_sharding
+from jalign.models.safetensors_io import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """How one HF tensor per layer maps to (a layer slice of) one jalign parameter."""
+  hf: str                                     # HF name suffix, "{}" = layer index
+  hf_shape: Callable[[ModelConfig], tuple]
+  to_jalign: Callable[[np.ndarray, ModelConfig], np.ndarray]
+  to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def _proj(heads_attr: str, out: bool = False) -> tuple:
+  """q/k/v ([heads*hd, D] <-> [D, heads, hd]) or o ([D, heads*hd] <-> [heads, hd, D])."""
+  n = lambda c: getattr(c, heads_attr)
+  if out:
+    return (lambda c: (c.hidden_size, n(c) * c.head_dim),
+            lambda a, c: a.reshape(c.hidden_size, n(c), c.head_dim).transpose(1, 2, 0),
+            lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, n(c) * c.head_dim))
+  return (lambda c: (n(c) * c.head_dim, c.hidden_size),
+          lambda a, c: a.reshape(n(c), c.head_dim, c.hidden_size).transpose(2, 0, 1),
+          lambda a, c: a.transpose(1, 2, 0).reshape(n(c) * c.head_dim, c.hidden_size))
+
+
+def _bias(heads_attr: str) -> tuple:
+  n = lambda c: getattr(c, heads_attr)
+  return (lambda c: (n(c) * c.head_dim,), lambda a, c: a.reshape(n(c), c.head_dim), lambda a, c: a.reshape(-1))
+
+
+_same = (lambda a, c: a, lambda a, c: a)
+_transpose = (lambda a, c: a.T, lambda a, c: a.T)
+_D = lambda c: (c.hidden_size,)
+_F = lambda c: (c.intermediate_size,)
+_H = lambda c: (c.head_dim,)
+
+
+def layer_tensors(cfg: ModelConfig) -> dict[str, _Tensor]:
+  """jalign layer parameter name -> HF tensor, for the parameters this config has."""
+  gemma = cfg.post_norms
+  t = {
+      "attn_norm": _Tensor("input_layernorm.weight", _D, *_same),
+      "q": _Tensor("self_attn.q_proj.weight", *_proj("num_heads")),
+      "k": _Tensor("self_attn.k_proj.weight", *_proj("num_kv_heads")),
+      "v": _Tensor("self_attn.v_proj.weight", *_proj("num_kv_heads")),
+      "o": _Tensor("self_attn.o_proj.weight", *_proj("num_heads", out=True)),
+      # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma 2/3 name that one "pre_feedforward".
+      "ffw_norm": _Tensor("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
+                          _D, *_same),
+      "gate": _Tensor("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), *_transpose),
+      "up": _Tensor("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), *_transpose),
+      "down": _Tensor("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), *_transpose),
+  }
+  if cfg.qkv_bias:
+    t["q_bias"] = _Tensor("self_attn.q_proj.bias", *_bias("num_heads"))
+    t["k_bias"] = _Tensor("self_attn.k_proj.bias", *_bias("num_kv_heads"))
+    t["v_bias"] = _Tensor("self_attn.v_proj.bias", *_bias("num_kv_heads"))
+  if cfg.out_bias:
+    t["o_bias"] = _Tensor("self_attn.o_proj.bias", _D, *_same)
+  if cfg.qk_norm:
+    t["q_norm"] = _Tensor("self_attn.q_norm.weight", _H, *_same)
+    t["k_norm"] = _Tensor("self_attn.k_norm.weight", _H, *_same)
+  if cfg.post_norms:
+    t["post_attn_norm"] = _Tensor("post_attention_layernorm.weight", _D, *_same)
+    t["post_ffw_norm"] = _Tensor("post_feedforward_layernorm.weight", _D, *_same)
+  if cfg.mlp_bias:
+    t["gate_bias"] = _Tensor("mlp.gate_proj.bias", _F, *_same)
+    t["up_bias"] = _Tensor("mlp.up_proj.bias", _F, *_same)
+    t["down_bias"] = _Tensor("mlp.down_proj.bias", _D, *_same)
+  return t
+
+
+def _top_tensors(cfg: ModelConfig) -> dict[str, _Tensor]:
+  t = {"embed": _Tensor("embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size), *_same),
+       "final_norm": _Tensor("norm.weight", _D, *_same)}
+  if not cfg.tie_embeddings:
+    t["lm_head"] = _Tensor("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), *_transpose)
+  return t
+
+
+# Tensors some checkpoints carry that the model recomputes (old RoPE buffers) or that belong to other towers.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$|^(model\.)?(vision_tower|multi_modal_projector)\.)")
+
+
+def _open_checkpoint(path: str) -> dict[str, st.LazyFile]:
+  """HF tensor name -> the lazily opened file that holds it (single file or sharded with an index)."""
+  index_file = os.path.join(path, INDEX)
+  if os.path.exists(index_file):
+    try:
+      with open(index_file, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{index_file}: not a valid safetensors index ({e!r})") from None
+    files: dict[str, st.LazyFile] = {}
+    for shard in sorted(set(weight_map.values())):
+      shard_path = os.path.join(path, shard)
+      if not os.path.exists(shard_path):
+        raise CheckpointError(f"{index_file} lists shard {shard!r}, which is missing from {path}")
+      files[shard] = st.LazyFile(shard_path)
+    out = {}
+    for name, shard in weight_map.items():
+      if name not in files[shard].keys():
+        raise CheckpointError(f"{index_file} says {name!r} is in {shard!r}, but that file does not hold it")
+      out[name] = files[shard]
+    return out
+  single = os.path.join(path, "model.safetensors")
+  if not os.path.exists(single):
+    found = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    raise CheckpointError(f"{path}: no model.safetensors or {INDEX} (found: {', '.join(found) or 'nothing'}); "
+                          "only safetensors checkpoints are read")
+  lazy = st.LazyFile(single)
+  return {name: lazy for name in lazy.keys()}
+
+
+def _hf_prefix(names) -> str:
+  """Prefix of the decoder's tensors: 'model.' for causal LMs, 'language_model.model.' (or
+  'model.language_model.') inside multimodal Gemma 3 checkpoints."""
+  for name in names:
+    if name.endswith("embed_tokens.weight"):
+      return name[: -len("embed_tokens.weight")]
+  raise CheckpointError("no '*embed_tokens.weight' tensor in the checkpoint: not a decoder LM checkpoint")
+
+
+def from_pretrained(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None, *,
+                    rules=DEFAULT_RULES, compute_dtype: str | None = None, **overrides) -> Decoder:
+  """Loads an HF checkpoint directory into a `Decoder`, each parameter placed in its sharded layout on `mesh`
+  (one device when None). `dtype` is the parameter dtype (default: the checkpoint's); `overrides` set runtime
+  fields of `ModelConfig` (scan_layers, remat, ...)."""
+  cfg, _ = load_hf_config(path)
+  dtype = dtype or cfg.param_dtype
+  cfg = cfg.replace(param_dtype=dtype, dtype=compute_dtype or dtype, **overrides)
+  _check_tokenizer_vocab(path, cfg)
+  tensors = _open_checkpoint(path)
+  prefix = _hf_prefix(tensors)
+  lm_head_prefix = prefix[: -len("model.")] if prefix.endswith("model.") else ""
+
+  def hf_name(spec: _Tensor, layer: int | None) -> str:
+    if spec.hf == "lm_head.weight":
+      return lm_head_prefix + spec.hf
+    return prefix + (f"layers.{layer}." if layer is not None else "") + spec.hf
+
+  used: set[str] = set()
+
+  def views(spec: _Tensor, layers) -> list[np.ndarray]:
+    out = []
+    for layer in layers:
+      name = hf_name(spec, layer)
+      if name not in tensors:
+        raise CheckpointError(f"{path}: missing weight {name!r}")
+      arr = tensors[name].get(name)
+      want = tuple(spec.hf_shape(cfg))
+      if arr.shape != want:
+        raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has shape {tuple(arr.shape)}, "
+                              f"expected {want} for this config.json")
+      used.add(name)
+      out.append(spec.to_jalign(arr, cfg))
+    return out
+
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  axes = nnx.to_pure_dict(logical_axes(abstract))
+  np_dtype = jnp.dtype(dtype)
+
+  def place(sources: list[np.ndarray], shape, ax, stacked: bool) -> jax.Array:
+    sharding = (named_sharding(ax, shape, mesh, rules) if mesh is not None
+                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+    def read(index):
+      if stacked:
+        return np.stack([np.asarray(sources[i][index[1:]], np_dtype) for i in range(shape[0])[index[0]]])
+      return np.asarray(sources[0][index], np_dtype)
+
+    return jax.make_array_from_callback(shape, sharding, read)
+
+  pure = nnx.to_pure_dict(abstract_state)
+  for name, spec in _top_tensors(cfg).items():
+    pure[name] = place(views(spec, [None]), pure[name].shape, axes[name], stacked=False)
+  for name, spec in layer_tensors(cfg).items():
+    pure["layers"][name] = place(views(spec, range(cfg.num_layers)), pure["layers"][name].shape,
+                                 axes["layers"][name], stacked=True)
+
+  unexpected = sorted(n for n in tensors if n not in used and not _IGNORED.search(n)
+                      and not (cfg.tie_embeddings and n == lm_head_prefix + "lm_head.weight"))
+  if unexpected:
+    more = f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""
+    raise CheckpointError(f"{path}: unexpected weights for model_type {cfg.model_type!r}: "
+                          f"{', '.join(unexpected[:10])}{more}")
+  nnx.replace_by_pure_dict(abstract_state, pure)
+  return nnx.merge(graphdef, abstract_state)
+
+
+def _check_tokenizer_vocab(path: str, cfg: ModelConfig) -> None:
+  file = os.path.join(path, "tokenizer.json")
+  if not os.path.exists(file):
+    return
+  from tokenizers import Tokenizer  # local: only needed when a tokenizer ships with the checkpoint
+  n = Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True)
+  if n > cfg.vocab_size:
+    raise CheckpointError(f"{file}: the tokenizer has {n} tokens but config.json vocab_size is {cfg.vocab_size}; "
+                          "token ids past the embedding table would be out of range")
+
+
+_UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "B": 1}
+
+
+def _parse_size(size: int | str) -> int:
+  if isinstance(size, int):
+    return size
+  m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", size.upper())
+  if not m:
+    raise ValueError(f"max_shard_size {size!r}: expected bytes as an int or a string like '5GB' or '500MiB'")
+  return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | None = None,
+                    max_shard_size: int | str = "5GB") -> None:
+  """Writes the HF layout (config.json, generation_config.json, safetensors, sharded with an index above
+  `max_shard_size`, tokenizer files when given) that transformers loads back. Each file is written to a temporary
+  name and renamed, so an interrupted save leaves no partial file under a final name."""
+  cfg = lm.cfg
+  dtype = jnp.dtype(dtype or cfg.param_dtype)
+  os.makedirs(out_dir, exist_ok=True)
+  state = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
+  host: dict[str, np.ndarray] = {}
+
+  def fetch(group, name):  # each parameter gathered to host once, when its first tensor is written
+    key = f"{group}/{name}"
+    if key not in host:
+      host[key] = np.asarray(jax.device_get(state[name] if group == "" else state[group][name]))
+    return host[key]
+
+  entries = []
+  for name, spec in _top_tensors(cfg).items():
+    full = "lm_head.weight" if name == "lm_head" else "model." + spec.hf
+    entries.append((full, spec.hf_shape(cfg), lambda n=name, s=spec: s.to_hf(fetch("", n), cfg)))
+  for layer in range(cfg.num_layers):
+    for name, spec in layer_tensors(cfg).items():
+      entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),
+                      lambda n=name, s=spec, i=layer: s.to_hf(fetch("layers", n)[i], cfg)))
+
+  limit = _parse_size(max_shard_size)
+  shards: list[list] = [[]]
+  size = 0
+  for entry in entries:
+    nbytes = int(np.prod(entry[1])) * dtype.itemsize
+    if shards[-1] and size + nbytes > limit:
+      shards.append([])
+      size = 0
+    shards[-1].append(entry)
+    size += nbytes
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  for file, shard in zip(names, shards):
+    st.write_file(os.path.join(out_dir, file), [(n, s, dtype, p) for n, s, p in shard])
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": sum(int(np.prod(e[1])) * dtype.itemsize for e in entries)},
+             "weight_map": {e[0]: f for f, shard in zip(names, shards) for e in shard}}
+    _write_json(os.path.join(out_dir, INDEX), index)
+  elif os.path.exists(os.path.join(out_dir, INDEX)):
+    os.remove(os.path.join(out_dir, INDEX))
+  for stale in os.listdir(out_dir):  # shards of an earlier save into the same directory
+    if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", stale) and stale not in names:
+      os.remove(os.path.join(out_dir, stale))
+
+  _write_json(os.path.join(out_dir, "config.json"), {**to_hf_config(cfg), "dtype": dtype.name})
+  gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("pad_token_id", cfg.pad_token_id),
+                           ("eos_token_id", list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple)
+                            else cfg.eos_token_id)) if v is not None}
+  _write_json(os.path.join(out_dir, "generation_config.json"), gen)
+  if tokenizer is not None:
+    tokenizer.save(out_dir)
+
+
+def _write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)

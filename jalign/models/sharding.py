@@ -1,0 +1,64 @@
+"""Logical axis names -> mesh shardings.
+
+Convention (used project-wide): meshes are built with `AxisType.Auto` axes, parameters are placed with explicit
+`NamedSharding`s derived from their logical axis names through a rules table, and XLA's sharding propagation lays
+out the activations. A rule maps a logical name to a mesh axis, a tuple of mesh axes, or None (replicated).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Training layout: FSDP over `fsdp` on the model dimension, Megatron-style TP over `tensor` on heads / MLP / vocab.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+    ("cache_seq", None),
+)
+
+
+def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh with Auto axes; one entry may be -1 (the remaining devices)."""
+  devices = np.asarray(devices if devices is not None else jax.devices())
+  shape = list(shape)
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {tuple(shape)}: at most one axis may be -1")
+  if -1 in shape:
+    rest = int(np.prod([s for s in shape if s != -1]))
+    shape[shape.index(-1)] = devices.size // rest
+  if int(np.prod(shape)) != devices.size:
+    raise ValueError(f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices; {devices.size} available")
+  return jax.make_mesh(tuple(shape), ("data", "fsdp", "tensor"), devices=devices.tolist(),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def logical_to_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_RULES) -> P:
+  """PartitionSpec for an array; a mesh axis is dropped for a dimension it does not divide (replicated there)
+  and never used twice."""
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name, dim in zip(axes, shape):
+    target = table.get(name) if name is not None else None
+    target = (target,) if isinstance(target, str) else tuple(target or ())
+    chosen = []
+    for ax in target:
+      size = mesh.shape.get(ax, 1)
+      if ax in used or size == 1 or dim % (size * int(np.prod([mesh.shape[a] for a in chosen]))):
+        continue
+      chosen.append(ax)
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return P(*spec)
+
+
+def named_sharding(axes: tuple, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
