@@ -64,7 +64,7 @@ class ModelConfig:
   post_norms: bool = False                 # Gemma 2/3: norms after attention and after the MLP too
   embed_scale: bool = False                # Gemma: embeddings times sqrt(hidden)
   tie_embeddings: bool = False
-  query_scale: float | None = None         # None: head_dim**-0.5; Gemma: query_pre_attn_scalar**-0.5
+  query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5 instead of head_dim**-0.5
   attn_softcap: float | None = None        # Gemma 2
   final_softcap: float | None = None       # Gemma 2
   rope: RopeConfig = RopeConfig()          # global (full-attention) layers
@@ -102,7 +102,7 @@ class ModelConfig:
 
   @property
   def scale(self) -> float:
-    return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   def layer_windows(self) -> np.ndarray:
     """Per-layer attention window (0 = unlimited) as an int32 array [L]."""
@@ -238,7 +238,7 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
       qkv_bias=bias or model_type == "qwen2", out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
       qk_norm=model_type in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, post_norms=gemma,
       embed_scale=gemma, tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-      query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+      query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256) if gemma else None,
       attn_softcap=hf.get("attn_logit_softcapping") if gemma else None,
       final_softcap=hf.get("final_logit_softcapping") if gemma else None,
       rope=rope, local_rope=local_rope, sliding_window=int(window) if window and layer_types else None,
@@ -273,7 +273,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   if model_type == "llama":
     hf["mlp_bias"] = cfg.mlp_bias
   if gemma:
-    hf["query_pre_attn_scalar"] = cfg.scale ** -2
+    hf["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar or cfg.head_dim
     hf["attn_logit_softcapping"] = cfg.attn_softcap
     hf["final_logit_softcapping"] = cfg.final_softcap
   if model_type == "gemma3_text":
