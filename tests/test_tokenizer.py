@@ -1,0 +1,183 @@
+"""Chat-template ids equal transformers' apply_chat_template; tokenizer files load and save; bad templates fail."""
+import json
+import os
+from collections.abc import Mapping
+
+import pytest
+import transformers
+from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers, trainers
+
+from jalign import tokenizer as jtok
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>"]
+
+# Templates in the formats of three families (ChatML as Qwen uses, Llama 3 headers, Gemma turns), plus one using
+# whitespace control, namespace, tojson and loop controls.
+TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    "llama3": (
+        "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+        "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+    "gemma": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content'] "
+        "+ '\\n\\n' %}{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}"
+        "{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') + message['content'] "
+        "| trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+        "{% endif %}"),
+    "whitespace": (
+        "{%- set ns = namespace(turns=0) -%}\n"
+        "{%- for message in messages %}\n"
+        "  {%- if message['role'] == 'system' %}\n"
+        "<|im_start|>system {{ message['content'] | tojson }}<|im_end|>\n"
+        "  {%- continue %}\n"
+        "  {%- endif %}\n"
+        "  {%- set ns.turns = ns.turns + 1 %}\n"
+        "<|im_start|>{{ message['role'] }} #{{ ns.turns }}\n"
+        "{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}\n"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "  Blue. "}, {"role": "user", "content": "Another one, \"please\" <ok>?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fact about the number 7."},
+     {"role": "assistant", "content": "It is prime.\nAnd odd."}],
+]
+
+
+def _train_tokenizer() -> Tokenizer:
+  tk = Tokenizer(tk_models.BPE())
+  tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tk.decoder = decoders.ByteLevel()
+  corpus = [m["content"] for conv in CONVERSATIONS for m in conv] * 20 + ["system user assistant model"] * 20
+  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tk.train_from_iterator(corpus, trainer)
+  return tk
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dirs(tmp_path_factory):
+  base = _train_tokenizer()
+  out = {}
+  for name, template in TEMPLATES.items():
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=base, bos_token="<bos>", eos_token="<eos>",
+                                              pad_token="<pad>", chat_template=template)
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    out[name] = (hf, str(path))
+  return out
+
+
+def _hf_ids(hf, conv, add_generation_prompt):
+  out = hf.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+  return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_chat_template_ids_equal_transformers(hf_tokenizer_dirs, name, add_generation_prompt):
+  hf, path = hf_tokenizer_dirs[name]
+  tok = jtok.load(path)
+  for conv in CONVERSATIONS:
+    if name == "gemma" and conv[-1]["role"] == "assistant" and add_generation_prompt:
+      continue  # not a prompt shape this template is used for; covered without the generation prompt
+    want = _hf_ids(hf, conv, add_generation_prompt)
+    assert tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt) == want
+    assert tok.render_chat(conv, add_generation_prompt=add_generation_prompt) == hf.apply_chat_template(
+        conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def test_special_tokens_encode_decode(hf_tokenizer_dirs):
+  hf, path = hf_tokenizer_dirs["chatml"]
+  tok = jtok.load(path)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+  assert tok.vocab_size == len(hf)
+  text = "Name a colour, please."
+  assert tok.encode(text) == hf(text)["input_ids"]
+  assert tok.decode(tok.encode(text)) == text
+  assert tok.decode([tok.eos_id] + tok.encode("Hi")) == "Hi"
+
+
+def test_template_in_tokenizer_config_older_layout(hf_tokenizer_dirs, tmp_path):
+  """Older checkpoints keep the template inside tokenizer_config.json (a string, or a list of named ones)."""
+  hf, path = hf_tokenizer_dirs["llama3"]
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    with open(os.path.join(path, f)) as src, open(tmp_path / f, "w") as dst:
+      dst.write(src.read())
+  cfg = json.load(open(tmp_path / "tokenizer_config.json"))
+  cfg["chat_template"] = [{"name": "default", "template": TEMPLATES["llama3"]},
+                          {"name": "chatml", "template": TEMPLATES["chatml"]}]
+  json.dump(cfg, open(tmp_path / "tokenizer_config.json", "w"))
+  tok = jtok.load(str(tmp_path))
+  conv = CONVERSATIONS[1]
+  assert tok.apply_chat_template(conv) == _hf_ids(hf, conv, False)
+  chatml = hf_tokenizer_dirs["chatml"][0]
+  assert tok.apply_chat_template(conv, template="chatml") == _hf_ids(chatml, conv, False)
+
+
+def test_save_copies_files(hf_tokenizer_dirs, tmp_path):
+  _, path = hf_tokenizer_dirs["gemma"]
+  jtok.load(path).save(str(tmp_path))
+  again = jtok.load(str(tmp_path))
+  assert again.apply_chat_template(CONVERSATIONS[0]) == jtok.load(path).apply_chat_template(CONVERSATIONS[0])
+
+
+def _with_template(hf_tokenizer_dirs, tmp_path, template: str) -> str:
+  _, path = hf_tokenizer_dirs["chatml"]
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    with open(os.path.join(path, f)) as src, open(tmp_path / f, "w") as dst:
+      dst.write(src.read())
+  (tmp_path / "chat_template.jinja").write_text(template)
+  return str(tmp_path)
+
+
+def test_malformed_template_names_file_and_line(hf_tokenizer_dirs, tmp_path):
+  path = _with_template(hf_tokenizer_dirs, tmp_path, "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+  with pytest.raises(jtok.ChatTemplateError, match=r"chat_template.jinja: chat template 'default' line 2"):
+    jtok.load(path)
+
+
+def test_template_cannot_reach_python_internals(hf_tokenizer_dirs, tmp_path):
+  path = _with_template(hf_tokenizer_dirs, tmp_path,
+                        "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+  with pytest.raises(jtok.ChatTemplateError, match="unsafe|failed"):
+    jtok.load(path).apply_chat_template(CONVERSATIONS[0])
+  path = _with_template(hf_tokenizer_dirs, tmp_path, "{{ messages.append(1) }}")
+  with pytest.raises(jtok.ChatTemplateError):
+    jtok.load(path).apply_chat_template(CONVERSATIONS[0])
+
+
+def test_template_raise_exception_is_reported(hf_tokenizer_dirs):
+  tok = jtok.load(hf_tokenizer_dirs["gemma"][1])
+  with pytest.raises(jtok.ChatTemplateError, match="roles must alternate"):
+    tok.apply_chat_template([{"role": "assistant", "content": "first"}])
+
+
+def test_bad_tokenizer_files(tmp_path, hf_tokenizer_dirs):
+  with pytest.raises(jtok.TokenizerError, match="no tokenizer.json"):
+    jtok.load(str(tmp_path))
+  (tmp_path / "tokenizer.json").write_text("{not json")
+  with pytest.raises(jtok.TokenizerError, match="tokenizer.json: cannot be read"):
+    jtok.load(str(tmp_path))
+  _, path = hf_tokenizer_dirs["chatml"]
+  (tmp_path / "tokenizer.json").write_text(open(os.path.join(path, "tokenizer.json")).read())
+  (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<eos>",\n "bos_token": }')
+  with pytest.raises(jtok.TokenizerError, match=r"tokenizer_config.json:2: not valid JSON"):
+    jtok.load(str(tmp_path))
+  (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<not-a-token>"}')
+  with pytest.raises(jtok.TokenizerError, match="eos_token '<not-a-token>' is not in the vocabulary"):
+    jtok.load(str(tmp_path))
