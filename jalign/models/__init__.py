@@ -1,11 +1,12 @@
 """Decoder LM (Flax NNX), scalar heads, and Hugging Face checkpoints in and out."""
 from jalign.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config, to_hf_config
-from jalign.models.decoder import Decoder, KVCache, logical_axes
+from jalign.models.decoder import Decoder, KVCache, create
 from jalign.models.heads import ScalarHead
 from jalign.models.hf import from_pretrained, save_pretrained
 from jalign.models.safetensors_io import CheckpointError
-from jalign.models.sharding import DEFAULT_RULES, logical_to_spec, make_mesh, named_sharding
+from jalign.models.sharding import (DEFAULT_RULES, logical_axes, logical_to_spec, make_mesh, named_sharding,
+                                    state_shardings)
 
 __all__ = ["CheckpointError", "ConfigError", "DEFAULT_RULES", "Decoder", "KVCache", "ModelConfig", "RopeConfig",
-           "ScalarHead", "from_hf_config", "from_pretrained", "logical_axes", "logical_to_spec", "make_mesh",
-           "named_sharding", "save_pretrained", "to_hf_config"]
+           "ScalarHead", "create", "from_hf_config", "from_pretrained", "logical_axes", "logical_to_spec", "make_mesh",
+           "named_sharding", "save_pretrained", "state_shardings", "to_hf_config"]

@@ -17,8 +17,7 @@ from flax import nnx
 
 from jalign.models.attention import apply_rope, attention_mask, gqa_attention, positions_from_mask
 from jalign.models.config import ModelConfig
-
-AXES = "axes"  # metadata key holding each parameter's logical axis names
+from jalign.models.sharding import AXES, DEFAULT_RULES, state_shardings
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
@@ -238,7 +237,14 @@ class Decoder(nnx.Module):
     return self.logits(hidden)
 
 
-def logical_axes(model: nnx.Module) -> Any:
-  """The state of `model` with each parameter replaced by its tuple of logical axis names."""
-  return jax.tree.map(lambda v: v.get_metadata().get(AXES) or (None,) * v.ndim if hasattr(v, "ndim") else None,
-                      nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+def create(cfg: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
+           rules=DEFAULT_RULES) -> Decoder:
+  """A randomly initialised decoder; on a mesh each parameter is created directly in its sharded layout (the
+  full model is never materialised on one device)."""
+  if mesh is None:
+    return Decoder(cfg, rngs=nnx.Rngs(seed))
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
+  graphdef, _ = nnx.split(abstract)
+  params = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed))),
+                   out_shardings=state_shardings(abstract, mesh, rules))()
+  return nnx.merge(graphdef, params)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jalign.models.decoder import AXES
+from jalign.models.sharding import AXES
 
 
 class ScalarHead(nnx.Module):

@@ -19,8 +19,8 @@ from flax import nnx
 
 from jalign.models import safetensors_io as st
 from jalign.models.config import ModelConfig, load_hf_config, to_hf_config
-from jalign.models.decoder import Decoder, logical_axes
-from jalign.models.sharding import DEFAULT_RULES, named_sharding
+from jalign.models.decoder import Decoder
+from jalign.models.sharding import DEFAULT_RULES, state_shardings
 from jalign.models.safetensors_io import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -182,13 +182,12 @@ def from_pretrained(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh
 
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
-  axes = nnx.to_pure_dict(logical_axes(abstract))
+  shardings = (nnx.to_pure_dict(state_shardings(abstract, mesh, rules)) if mesh is not None else
+               jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                            nnx.to_pure_dict(abstract_state)))
   np_dtype = jnp.dtype(dtype)
 
-  def place(sources: list[np.ndarray], shape, ax, stacked: bool) -> jax.Array:
-    sharding = (named_sharding(ax, shape, mesh, rules) if mesh is not None
-                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-
+  def place(sources: list[np.ndarray], shape, sharding, stacked: bool) -> jax.Array:
     def read(index):
       if stacked:
         return np.stack([np.asarray(sources[i][index[1:]], np_dtype) for i in range(shape[0])[index[0]]])
@@ -198,10 +197,10 @@ def from_pretrained(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh
 
   pure = nnx.to_pure_dict(abstract_state)
   for name, spec in _top_tensors(cfg).items():
-    pure[name] = place(views(spec, [None]), pure[name].shape, axes[name], stacked=False)
+    pure[name] = place(views(spec, [None]), pure[name].shape, shardings[name], stacked=False)
   for name, spec in layer_tensors(cfg).items():
     pure["layers"][name] = place(views(spec, range(cfg.num_layers)), pure["layers"][name].shape,
-                                 axes["layers"][name], stacked=True)
+                                 shardings["layers"][name], stacked=True)
 
   unexpected = sorted(n for n in tensors if n not in used and not _IGNORED.search(n)
                       and not (cfg.tie_embeddings and n == lm_head_prefix + "lm_head.weight"))

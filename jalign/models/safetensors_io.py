@@ -88,14 +88,18 @@ def write_file(path: str, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as the reference writer does
   tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for name, shape, dtype, produce in tensors:
-      arr = np.ascontiguousarray(produce(), dtype=dtype)
-      if arr.shape != tuple(shape):
-        raise CheckpointError(f"{path}: tensor {name!r} produced shape {arr.shape}, declared {tuple(shape)}")
-      f.write(arr.tobytes())
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "wb") as f:
+      f.write(struct.pack("<Q", len(blob)))
+      f.write(blob)
+      for name, shape, dtype, produce in tensors:
+        arr = np.ascontiguousarray(produce(), dtype=dtype)
+        if arr.shape != tuple(shape):
+          raise CheckpointError(f"{path}: tensor {name!r} produced shape {arr.shape}, declared {tuple(shape)}")
+        f.write(arr.tobytes())
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)

@@ -6,9 +6,14 @@ out the activations. A rule maps a logical name to a mesh axis, a tuple of mesh 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = "axes"  # nnx.Param metadata key holding the parameter's logical axis names
 
 # Training layout: FSDP over `fsdp` on the model dimension, Megatron-style TP over `tensor` on heads / MLP / vocab.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -62,3 +67,15 @@ def logical_to_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, rules=DEFAU
 
 def named_sharding(axes: tuple, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
+
+
+def logical_axes(model: nnx.Module) -> Any:
+  """The parameter state of `model` with each parameter replaced by its tuple of logical axis names."""
+  return jax.tree.map(lambda v: v.get_metadata().get(AXES) or (None,) * v.ndim,
+                      nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+  """NamedSharding for every parameter of `model` (abstract or concrete), shaped like `nnx.state(model, Param)`."""
+  return jax.tree.map(lambda v: named_sharding(v.get_metadata().get(AXES) or (None,) * v.ndim, v.shape, mesh, rules),
+                      nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -122,3 +122,13 @@ def test_scalar_head_matches_numpy(kind):
   want = (h @ np.asarray(head.w_out[...]))[..., 0] + np.asarray(head.b_out[...])[0]
   assert got.shape == (2, 5)
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_create_on_mesh_initialises_sharded():
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+  mesh = models.make_mesh((2, 2, 2))
+  lm = models.create(cfg, seed=1, mesh=mesh)
+  assert lm.layers.gate[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  ref_lm = models.create(cfg, seed=1)
+  np.testing.assert_allclose(np.asarray(lm.layers.gate[...]), np.asarray(ref_lm.layers.gate[...]), rtol=1e-6)
