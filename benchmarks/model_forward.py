@@ -53,15 +53,23 @@ def forward_vs_transformers(args) -> None:
   fwd(params, jids, jmask).block_until_ready()
   t_jax = _median_time(lambda: fwd(params, jids, jmask).block_until_ready(), args.repeats)
 
-  tids, tmask = torch.tensor(ids), torch.tensor(mask)
-  with torch.no_grad():
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  hf = hf.to(device)
+  tids, tmask = torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+  def torch_forward():
     hf(input_ids=tids, attention_mask=tmask)
-    t_torch = _median_time(lambda: hf(input_ids=tids, attention_mask=tmask), args.repeats)
-    ref = hf(input_ids=tids, attention_mask=tmask).logits.float().numpy()
+    sync()
+
+  with torch.no_grad():
+    torch_forward()
+    t_torch = _median_time(torch_forward, args.repeats)
+    ref = hf(input_ids=tids, attention_mask=tmask).logits.float().cpu().numpy()
   diff = float(np.abs(np.asarray(fwd(params, jids, jmask), np.float32) - ref).max())
   n_params = sum(p.numel() for p in hf.parameters())
   print(f"forward  model={n_params / 1e6:.1f}M params  batch={args.batch}x{args.seq}  dtype={args.dtype}  "
-        f"backend={jax.default_backend()}  torch_threads={torch.get_num_threads()}")
+        f"backend={jax.default_backend()}  torch={device}, {torch.get_num_threads()} threads")
   print(f"  jalign        {t_jax * 1e3:9.2f} ms")
   print(f"  transformers  {t_torch * 1e3:9.2f} ms")
   print(f"  ratio transformers/jalign = {t_torch / t_jax:.2f}x   (max |logit diff| {diff:.2e})")
