@@ -172,23 +172,25 @@ class Decoder(nnx.Module):
     """The output projection as [D, V]."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
-  def forward(self, input_ids_BxT, attention_mask_BxT=None, *, positions_BxT=None, segment_ids_BxT=None,
+  def forward(self, input_ids_BxT, attention_mask=None, *, positions=None, segment_ids=None,
               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
     """Hidden states after the final norm, [B, T, D], and the updated cache.
 
-    Padding: `attention_mask_BxT` (1 = token; left padding fine) gives positions like transformers' `generate`.
-    Packing: `segment_ids_BxT` (1, 2, ... per packed sequence, 0 = padding) with `positions_BxT` restarting at 0.
+    Padding: `attention_mask` [B, T] (1 = token; left padding fine) gives positions like transformers' `generate`.
+    Packing: `segment_ids` [B, T] (1, 2, ... per packed sequence, 0 = padding) with `positions` [B, T] restarting
+    at 0 for each sequence.
     Decoding: pass a `KVCache`; the new tokens are written at `cache.index`.
     """
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     B, T = input_ids_BxT.shape
+    segment_ids_BxT, positions_BxT = segment_ids, positions
     if segment_ids_BxT is None:
-      segment_ids_BxT = (jnp.ones((B, T), jnp.int32) if attention_mask_BxT is None
-                         else attention_mask_BxT.astype(jnp.int32))
+      segment_ids_BxT = (jnp.ones((B, T), jnp.int32) if attention_mask is None
+                         else attention_mask.astype(jnp.int32))
     if positions_BxT is None:
-      if cache is not None and attention_mask_BxT is None:
-        raise ValueError("decoding with a cache needs positions_BxT (or an attention mask for the prefill)")
+      if cache is not None and attention_mask is None:
+        raise ValueError("decoding with a cache needs `positions` (or an attention mask for the prefill)")
       positions_BxT = positions_from_mask(segment_ids_BxT != 0)
     cache_index = jnp.zeros((), jnp.int32) if cache is None else cache.index
     q_index_T = cache_index + jnp.arange(T)
@@ -232,8 +234,8 @@ class Decoder(nnx.Module):
       logits = jnp.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
     return logits
 
-  def __call__(self, input_ids_BxT, attention_mask_BxT=None, **kw) -> jax.Array:
-    hidden, _ = self.forward(input_ids_BxT, attention_mask_BxT, **kw)
+  def __call__(self, input_ids_BxT, attention_mask=None, **kw) -> jax.Array:
+    hidden, _ = self.forward(input_ids_BxT, attention_mask, **kw)
     return self.logits(hidden)
 
 

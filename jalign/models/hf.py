@@ -244,22 +244,17 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   dtype = jnp.dtype(dtype or cfg.param_dtype)
   os.makedirs(out_dir, exist_ok=True)
   state = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
-  host: dict[str, np.ndarray] = {}
-
-  def fetch(group, name):  # each parameter gathered to host once, when its first tensor is written
-    key = f"{group}/{name}"
-    if key not in host:
-      host[key] = np.asarray(jax.device_get(state[name] if group == "" else state[group][name]))
-    return host[key]
-
+  # One tensor on the host at a time: a layer's slice is gathered from the (possibly sharded) stacked parameter
+  # only when the writer reaches it.
+  to_host = lambda arr: np.asarray(jax.device_get(arr))
   entries = []
   for name, spec in _top_tensors(cfg).items():
     full = "lm_head.weight" if name == "lm_head" else "model." + spec.hf
-    entries.append((full, spec.hf_shape(cfg), lambda n=name, s=spec: s.to_hf(fetch("", n), cfg)))
+    entries.append((full, spec.hf_shape(cfg), lambda n=name, s=spec: s.to_hf(to_host(state[n]), cfg)))
   for layer in range(cfg.num_layers):
     for name, spec in layer_tensors(cfg).items():
       entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),
-                      lambda n=name, s=spec, i=layer: s.to_hf(fetch("layers", n)[i], cfg)))
+                      lambda n=name, s=spec, i=layer: s.to_hf(to_host(state["layers"][n][i]), cfg)))
 
   limit = _parse_size(max_shard_size)
   shards: list[list] = [[]]

@@ -70,7 +70,7 @@ def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
   next_pos = jnp.asarray(mask[:, :prompt_len].sum(1))
   graphdef, params = nnx.split(lm)
   step = jax.jit(lambda params, tok, pos, cache: nnx.merge(graphdef, params).forward(
-      tok, positions_BxT=pos, cache=cache), donate_argnums=3)
+      tok, positions=pos, cache=cache), donate_argnums=3)
   for t in range(prompt_len, 12):
     hidden, cache = step(params, jnp.asarray(ids[:, t:t + 1]), next_pos[:, None], cache)
     np.testing.assert_allclose(lm.logits(hidden)[:, 0], full[:, t], atol=1e-5, err_msg=f"{family} step {t}")
@@ -85,8 +85,8 @@ def test_packed_sequences_equal_separate_runs(checkpoints):
   packed = np.concatenate([a, b, [0, 0]])[None]
   segments = np.array([[1] * 7 + [2] * 5 + [0, 0]])
   positions = np.array([list(range(7)) + list(range(5)) + [0, 0]])
-  got = np.asarray(lm(jnp.asarray(packed), segment_ids_BxT=jnp.asarray(segments),
-                      positions_BxT=jnp.asarray(positions)))
+  got = np.asarray(lm(jnp.asarray(packed), segment_ids=jnp.asarray(segments),
+                      positions=jnp.asarray(positions)))
   np.testing.assert_allclose(got[0, :7], np.asarray(lm(jnp.asarray(a[None])))[0], atol=1e-5)
   np.testing.assert_allclose(got[0, 7:12], np.asarray(lm(jnp.asarray(b[None])))[0], atol=1e-5)
   assert np.isfinite(got).all()  # padding rows attend to nothing but stay finite
