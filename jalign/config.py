@@ -1,0 +1,247 @@
+"""Typed run configuration: an `ml_collections.ConfigDict` validated into frozen dataclasses at the boundary.
+
+Every key is checked: an unknown key, a wrong type or a value outside its accepted set is a `ConfigError` naming the
+dotted key (`config.train.batch_size`) and what is accepted. Jitted code only ever sees these dataclasses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+from jalign.models.config import ModelConfig
+from jalign.models.sharding import DEFAULT_RULES
+
+
+class ConfigError(ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  path: str = ""                       # HF checkpoint directory; "" = initialise `arch` from scratch
+  arch: ModelConfig | None = None      # architecture for a from-scratch model
+  dtype: Literal["float32", "bfloat16"] = "float32"           # parameters
+  compute_dtype: Literal["", "float32", "bfloat16"] = ""       # activations; "" = dtype
+  scan_layers: bool = True
+  remat: Literal["none", "full", "dots"] = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  train: str = ""                      # file / glob / list, tfds:NAME:SPLIT@DIR, or synthetic:TASK:SPLIT
+  eval: str = ""
+  max_length: int = 512                # tokens per example after truncation
+  truncation: Literal["keep_start", "keep_end", "drop"] = "keep_start"
+  packing: bool = True
+  buckets: tuple[int, ...] = ()        # unpacked padding lengths; () = train.seq_len
+  shuffle: bool = True
+  skip_bad_records: bool = False
+  num_packing_bins: int = 0            # 0 = rows per process batch
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+  steps: int = 1000
+  batch_size: int = 32                 # global rows per optimizer step (packed rows when packing)
+  micro_batches: int = 1               # gradient accumulation: a lax.scan over this many slices
+  seq_len: int = 512
+  log_every: int = 10
+  eval_every: int = 0                  # 0 = only at the end
+  eval_batches: int = 8
+  eval_examples: int = 256             # held-out task accuracy (generative check) at eval time
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+  lr: float = 1e-4
+  schedule: Literal["cosine", "linear", "constant"] = "cosine"
+  warmup_steps: int = 0
+  min_lr_ratio: float = 0.0            # cosine/linear end value as a fraction of lr
+  weight_decay: float = 0.0            # AdamW, not applied to norm scales and biases
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  clip_norm: float = 1.0               # global-norm clipping; 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+  shape: tuple[int, int, int] = (1, -1, 1)   # ('data', 'fsdp', 'tensor'); -1 = the remaining devices
+  rules: tuple = DEFAULT_RULES               # logical axis -> mesh axis / tuple of axes / None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+  every: int = 0                       # steps between checkpoints; 0 = only at the end (and on SIGTERM)
+  keep: int = 3
+  resume: bool = True                  # continue from the newest complete checkpoint in run_dir
+  export_hf: bool = True               # write an HF checkpoint to run_dir/hf at the end
+  async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSection:
+  progress: bool = True                # console progress bar with ETA
+  jsonl: bool = True                   # run_dir/metrics.jsonl
+  tensorboard: bool = True             # run_dir/tensorboard (tensorboardX, when installed)
+  wandb: bool = False                  # when wandb is installed
+  wandb_project: str = "jalign"
+  peak_flops: float = 0.0              # per device, for MFU; 0 = from the device kind when known
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobSection:
+  impl: Literal["xla"] = "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  task: Literal["sft"] = "sft"
+  run_dir: str = "runs/default"
+  seed: int = 0
+  tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
+  model: ModelSection = ModelSection()
+  data: DataSection = DataSection()
+  train: TrainSection = TrainSection()
+  optim: OptimSection = OptimSection()
+  mesh: MeshSection = MeshSection()
+  checkpoint: CheckpointSection = CheckpointSection()
+  log: LogSection = LogSection()
+  logprobs: LogprobSection = LogprobSection()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def _describe(tp) -> str:
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+  if origin in (typing.Union, types.UnionType):
+    return " or ".join(_describe(a) for a in typing.get_args(tp))
+  if origin is tuple:
+    return "a tuple"
+  if dataclasses.is_dataclass(tp):
+    return f"a section ({tp.__name__})"
+  return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value, tp, key: str):
+  origin = typing.get_origin(tp)
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+      return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # Optional[X]: X's own error is the helpful one
+      return _convert(value, options[0], key)
+    for a in options:
+      try:
+        return _convert(value, a, key)
+      except ConfigError:
+        pass
+    raise ConfigError(f"{key}: {value!r:.60} is not {_describe(tp)}")
+  if origin is Literal:
+    if value not in typing.get_args(tp):
+      raise ConfigError(f"{key}: {value!r} is not accepted; accepted: "
+                        + ", ".join(repr(a) for a in typing.get_args(tp)))
+    return value
+  if dataclasses.is_dataclass(tp):
+    return to_dataclass(tp, value, key)
+  if origin is tuple:
+    if not isinstance(value, (tuple, list)):
+      raise ConfigError(f"{key}: expected a tuple, found {type(value).__name__} {value!r:.60}")
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+    if args and len(args) != len(value):
+      raise ConfigError(f"{key}: expected {len(args)} entries, found {len(value)}")
+    if args:
+      return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+  if tp is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{key}: expected True or False, found {type(value).__name__} {value!r:.60}")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{key}: expected an integer, found {type(value).__name__} {value!r:.60}")
+    return value
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{key}: expected a number, found {type(value).__name__} {value!r:.60}")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{key}: expected a string, found {type(value).__name__} {value!r:.60}")
+    return value
+  return value
+
+
+def to_dataclass(cls, values, key: str = "config"):
+  """Builds dataclass `cls` from a mapping (ConfigDict or dict), checking every key and type."""
+  if dataclasses.is_dataclass(values) and isinstance(values, cls):
+    return values
+  if hasattr(values, "to_dict"):
+    values = values.to_dict()
+  if not isinstance(values, dict):
+    raise ConfigError(f"{key}: expected a section of keys ({cls.__name__}), found {type(values).__name__}")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls) if f.init}
+  unknown = sorted(set(values) - fields)
+  if unknown:
+    raise ConfigError(f"{key}.{unknown[0]}: unknown key; accepted keys of {key}: {', '.join(sorted(fields))}")
+  kwargs = {name: _convert(v, hints[name], f"{key}.{name}") for name, v in values.items()}
+  try:
+    return cls(**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"{key}: {e}") from None
+
+
+def validate(values, num_devices: int) -> RunConfig:
+  """ConfigDict -> RunConfig, plus the checks that involve several keys and the machine."""
+  cfg = to_dataclass(RunConfig, values)
+  t, d, m = cfg.train, cfg.data, cfg.mesh
+  positive = {"config.train.steps": t.steps, "config.train.batch_size": t.batch_size,
+              "config.train.micro_batches": t.micro_batches, "config.train.seq_len": t.seq_len,
+              "config.train.log_every": t.log_every, "config.data.max_length": d.max_length,
+              "config.checkpoint.keep": cfg.checkpoint.keep}
+  for key, v in positive.items():
+    if v <= 0:
+      raise ConfigError(f"{key}={v}: must be positive")
+  if cfg.optim.lr <= 0:
+    raise ConfigError(f"config.optim.lr={cfg.optim.lr}: must be positive")
+  if not 0 <= cfg.optim.warmup_steps <= t.steps:
+    raise ConfigError(f"config.optim.warmup_steps={cfg.optim.warmup_steps}: must be in [0, train.steps={t.steps}]")
+  if any(s == 0 or s < -1 for s in m.shape) or list(m.shape).count(-1) > 1:
+    raise ConfigError(f"config.mesh.shape={m.shape}: sizes must be positive, with at most one -1 (the rest)")
+  fixed = 1
+  for s in m.shape:
+    fixed *= s if s != -1 else 1
+  if fixed > num_devices or num_devices % fixed or (-1 not in m.shape and fixed != num_devices):
+    raise ConfigError(f"config.mesh.shape={m.shape} needs {fixed} devices{'' if -1 not in m.shape else ' x k'}; "
+                      f"{num_devices} are available")
+  sizes = [s if s != -1 else num_devices // fixed for s in m.shape]
+  dp = sizes[0] * sizes[1]
+  if t.batch_size % (dp * t.micro_batches):
+    raise ConfigError(f"config.train.batch_size={t.batch_size} is not divisible by data-parallel size "
+                      f"(data x fsdp = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
+                      f"{dp * t.micro_batches}")
+  if d.packing and d.max_length > t.seq_len:
+    raise ConfigError(f"config.data.max_length={d.max_length} exceeds config.train.seq_len={t.seq_len}: a packed "
+                      "example must fit one row")
+  if d.buckets and max(d.buckets) > t.seq_len:
+    raise ConfigError(f"config.data.buckets={d.buckets}: largest bucket exceeds train.seq_len={t.seq_len}")
+  if not d.train:
+    raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
+  if not cfg.model.path and cfg.model.arch is None:
+    raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
+  if not (cfg.tokenizer or cfg.model.path):
+    raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
+  return cfg
+
+
+def as_dict(cfg) -> dict[str, Any]:
+  """JSON-friendly dict of a RunConfig (stored in checkpoints)."""
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,124 @@
+"""Grain pipelines: index shuffling, per-process sharding, encoding with bad-record handling, packing or bucketed
+padding, batching. Iterator state (for checkpoints) covers all of it, so a resumed run sees the same data order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import grain
+import numpy as np
+
+from jalign.data.sources import DataError
+from jalign.data.sft import TooLong
+
+
+@dataclasses.dataclass
+class Counters:
+  """Records dropped so far (shared with the live iterator; restored from its state)."""
+  bad: int = 0
+  too_long: int = 0
+
+
+class _DropNone(grain.IterDataset):
+  def __init__(self, parent: grain.IterDataset, counters: Counters):
+    super().__init__(parent)
+    self._counters = counters
+
+  def __iter__(self):
+    return _DropNoneIterator(self._parent.__iter__(), self._counters)
+
+
+class _DropNoneIterator(grain.DatasetIterator):
+  def __init__(self, parent, counters: Counters):
+    super().__init__(parent)
+    self._counters = counters
+
+  def __next__(self):
+    while True:
+      item = next(self._parent)
+      if item is not None:
+        return item
+
+  def get_state(self):
+    return {"parent": self._parent.get_state(), "bad": self._counters.bad, "too_long": self._counters.too_long}
+
+  def set_state(self, state):
+    self._parent.set_state(state["parent"])
+    self._counters.bad, self._counters.too_long = state["bad"], state["too_long"]
+
+
+def pad_to(x: np.ndarray, length: int) -> np.ndarray:
+  return np.pad(x, (0, length - len(x)))
+
+
+def bucket_batch(buckets: tuple[int, ...]) -> Callable[[list[dict]], dict]:
+  """Batches examples padded (right) to the smallest bucket that fits the longest of them, so a handful of shapes
+  are ever compiled."""
+  def batch(examples: list[dict]) -> dict:
+    longest = max(len(e["tokens"]) for e in examples)
+    length = next((b for b in buckets if b >= longest), buckets[-1])
+    tokens = np.stack([pad_to(e["tokens"], length) for e in examples])
+    real = np.stack([pad_to(np.ones_like(e["tokens"]), length) for e in examples])
+    return {"tokens": tokens, "loss_mask": np.stack([pad_to(e["loss_mask"], length) for e in examples]),
+            "segment_ids": real, "positions": np.where(real > 0, np.arange(length)[None], 0).astype(np.int32)}
+  return batch
+
+
+def _rename_packed(batch: dict) -> dict:
+  return {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"], "segment_ids": batch["tokens_segment_ids"],
+          "positions": batch["tokens_positions"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+  batch_size: int                 # per process, per step
+  seq_len: int
+  packing: bool = True
+  buckets: tuple[int, ...] = ()   # unpacked only; () = seq_len
+  shuffle: bool = True
+  seed: int = 0
+  num_epochs: int | None = None   # None = repeat forever
+  skip_bad_records: bool = False
+  num_packing_bins: int = 0       # 0 = batch_size
+  drop_remainder: bool = True
+
+
+def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process_index: int = 0,
+          process_count: int = 1) -> tuple[grain.IterDataset, Counters]:
+  """IterDataset of batches {"tokens", "loss_mask", "segment_ids", "positions"}: int32 [batch_size, length]."""
+  if len(source) == 0:
+    raise DataError(f"{getattr(source, 'path', 'data source')}: the dataset is empty")
+  counters = Counters()
+  ds = grain.MapDataset.range(len(source))
+  if spec.shuffle:
+    ds = ds.seed(spec.seed).shuffle()
+  ds = ds.repeat(spec.num_epochs)
+  ds = ds[process_index::process_count]  # this host's share: same global order on every host
+
+  def load(index) -> Any:
+    index = int(index)
+    try:
+      return encode(source[index])
+    except TooLong:
+      counters.too_long += 1
+      return None
+    except DataError as e:
+      where = source.where(index)
+      msg = str(e) if str(e).startswith(where.split(":")[0]) else f"{where}: {e}"
+      if spec.skip_bad_records:
+        counters.bad += 1
+        return None
+      raise DataError(msg + " (set data.skip_bad_records=True to skip such records)") from None
+
+  it = _DropNone(ds.map(load).to_iter_dataset(), counters)
+  if spec.packing:
+    features = {"tokens": spec.seq_len, "loss_mask": spec.seq_len}
+    it = grain.experimental.FirstFitPackIterDataset(
+        it, length_struct=features, num_packing_bins=spec.num_packing_bins or spec.batch_size, seed=spec.seed,
+        shuffle_bins=spec.shuffle)
+    it = it.batch(spec.batch_size, drop_remainder=spec.drop_remainder).map(_rename_packed)
+  else:
+    buckets = tuple(sorted(spec.buckets)) or (spec.seq_len,)
+    it = it.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=bucket_batch(buckets))
+  return it, counters

@@ -1,0 +1,206 @@
+"""Random-access record sources: JSONL, Parquet, ArrayRecord and prepared TFDS directories.
+
+Every source yields plain dicts and can say where record i came from (`where(i)` -> "file:line"), so a malformed
+record is reported at its place in the file. Parsing happens lazily in `__getitem__`, inside the Grain pipeline.
+"""
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class DataError(ValueError):
+  """A record or data file that cannot be used; the message names the file and line/row and the reason."""
+
+
+class JsonlSource:
+  """One JSON object per line; blank lines are ignored. Line offsets are indexed once at open."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._offsets: list[int] = []
+    self._lines: list[int] = []
+    with open(path, "rb") as f:
+      offset = 0
+      for lineno, line in enumerate(f, start=1):
+        if line.strip():
+          self._offsets.append(offset)
+          self._lines.append(lineno)
+        offset += len(line)
+
+  def __len__(self) -> int:
+    return len(self._offsets)
+
+  def where(self, i: int) -> str:
+    return f"{self.path}:{self._lines[i]}"
+
+  def __getitem__(self, i: int) -> dict:
+    with open(self.path, "rb") as f:
+      f.seek(self._offsets[i])
+      raw = f.readline()
+    try:
+      record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise DataError(f"{self.where(i)}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+      raise DataError(f"{self.where(i)}: bad JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+      raise DataError(f"{self.where(i)}: expected a JSON object, found {type(record).__name__}")
+    return record
+
+
+class ParquetSource:
+  def __init__(self, path: str):
+    import pyarrow.parquet as pq  # local: only Parquet users need pyarrow loaded
+    self.path = path
+    try:
+      self._table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several unrelated types for unreadable files
+      raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+  def __len__(self) -> int:
+    return self._table.num_rows
+
+  def where(self, i: int) -> str:
+    return f"{self.path}:row {i}"
+
+  def __getitem__(self, i: int) -> dict:
+    return _plain(self._table.slice(i, 1).to_pylist()[0])
+
+
+class ArrayRecordSource:
+  """ArrayRecord files whose records are UTF-8 JSON objects."""
+
+  def __init__(self, path: str):
+    import grain
+    self.path = path
+    self._src = grain.sources.ArrayRecordDataSource([path])
+
+  def __len__(self) -> int:
+    return len(self._src)
+
+  def where(self, i: int) -> str:
+    return f"{self.path}:record {i}"
+
+  def __getitem__(self, i: int) -> dict:
+    raw = self._src[i]
+    try:
+      record = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise DataError(f"{self.where(i)}: record is not UTF-8 JSON ({e})") from None
+    if not isinstance(record, dict):
+      raise DataError(f"{self.where(i)}: expected a JSON object, found {type(record).__name__}")
+    return record
+
+
+class TfdsSource:
+  """A prepared TFDS dataset directory (array_record format), read with `tfds.data_source`: no TensorFlow."""
+
+  def __init__(self, name: str, split: str, data_dir: str | None):
+    import tensorflow_datasets as tfds
+    self.path = f"tfds:{name}:{split}"
+    try:
+      self._src = tfds.data_source(name, split=split, data_dir=data_dir)
+    except Exception as e:  # tfds raises many types for a missing/unprepared dataset
+      raise DataError(f"{self.path} (data_dir={data_dir}): cannot open ({e})") from None
+
+  def __len__(self) -> int:
+    return len(self._src)
+
+  def where(self, i: int) -> str:
+    return f"{self.path}:example {i}"
+
+  def __getitem__(self, i: int) -> dict:
+    return _plain(self._src[i])
+
+
+class ListSource:
+  """Records held in memory (synthetic tasks, tests)."""
+
+  def __init__(self, records: Sequence[dict], name: str = "<memory>"):
+    self._records = list(records)
+    self.path = name
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def where(self, i: int) -> str:
+    return f"{self.path}:{i}"
+
+  def __getitem__(self, i: int) -> dict:
+    return self._records[i]
+
+
+class ConcatSource:
+  """Several sources as one, index by index."""
+
+  def __init__(self, sources: Sequence[Any]):
+    if not sources:
+      raise DataError("no data files matched")
+    self.sources = list(sources)
+    self._ends = list(np.cumsum([len(s) for s in sources]))
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if self._ends else 0
+
+  def _locate(self, i: int):
+    k = bisect.bisect_right(self._ends, i)
+    return self.sources[k], i - (int(self._ends[k - 1]) if k else 0)
+
+  def where(self, i: int) -> str:
+    src, j = self._locate(i)
+    return src.where(j)
+
+  def __getitem__(self, i: int) -> dict:
+    src, j = self._locate(i)
+    return src[j]
+
+
+def _plain(value):
+  """numpy/bytes values (TFDS, Arrow) as plain Python: bytes -> str, arrays -> lists."""
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, (bytes, np.bytes_)):
+    return bytes(value).decode("utf-8")
+  if isinstance(value, np.ndarray):
+    return [_plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if isinstance(value, np.generic):
+    return value.item()
+  return value
+
+
+FORMATS = {".jsonl": JsonlSource, ".json": JsonlSource, ".parquet": ParquetSource,
+           ".arrayrecord": ArrayRecordSource, ".array_record": ArrayRecordSource}
+
+
+def open_source(spec: str, *, synthetic=None) -> Any:
+  """`spec`: a file, a glob or a comma-separated list of them (.jsonl, .parquet, .arrayrecord);
+  `tfds:NAME[:SPLIT]@DATA_DIR`; or `synthetic:TASK[:SPLIT]` (built-in tasks, see jalign.data.synthetic)."""
+  if spec.startswith("tfds:"):
+    body, _, data_dir = spec[len("tfds:"):].partition("@")
+    name, _, split = body.partition(":")
+    return TfdsSource(name, split or "train", data_dir or None)
+  if spec.startswith("synthetic:"):
+    from jalign.data import synthetic
+    return synthetic.source(spec[len("synthetic:"):])
+  sources = []
+  for part in spec.split(","):
+    files = sorted(glob.glob(part.strip())) if any(c in part for c in "*?[") else [part.strip()]
+    if not files:
+      raise DataError(f"data spec {part!r}: no file matches")
+    for f in files:
+      ext = os.path.splitext(f)[1].lower()
+      if ext not in FORMATS:
+        raise DataError(f"{f}: unknown data file type {ext!r}; accepted: {', '.join(FORMATS)}, tfds:..., "
+                        "synthetic:...")
+      if not os.path.exists(f):
+        raise DataError(f"{f}: data file not found")
+      sources.append(FORMATS[ext](f))
+  return sources[0] if len(sources) == 1 else ConcatSource(sources)

@@ -1,0 +1,111 @@
+"""Built-in verifiable task: two-number arithmetic in words and digits, with its tokenizer and scorer.
+
+Prompts look like "What is 37 + 48?"; the assistant answers "#### 85" (the GSM8K answer convention, so the same
+reward functions read it). Operand pairs are split deterministically between train and test, so held-out accuracy
+measures generalisation, not recall. A tiny model trained briefly gets some but not all held-out prompts right.
+
+    python -m jalign.data.synthetic --write-tokenizer DIR   # (re)build the shipped tokenizer
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import numpy as np
+
+from jalign.data.sources import DataError, ListSource
+
+OPS = ("+", "-")
+MAX_OPERAND = 100
+ANSWER_RE = re.compile(r"####\s*(-?\d+)")
+SPLITS = {"train": 40_000, "test": 500}
+SYSTEM = None  # the template adds none; keeps sequences short
+
+
+def _is_test(a: int, b: int, op: str) -> bool:
+  return (a * 7 + b * 13 + OPS.index(op)) % 10 == 0  # a fixed tenth of all (a, b, op) triples
+
+
+def _answer(a: int, b: int, op: str) -> int:
+  return a + b if op == "+" else a - b
+
+
+def records(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+  """Records with `prompt` (str), `answer` (str) and `messages` (the SFT conversation)."""
+  if split not in SPLITS:
+    raise DataError(f"synthetic arith split {split!r}; accepted: {', '.join(SPLITS)}")
+  n = n or SPLITS[split]
+  rng = np.random.RandomState(seed + (0 if split == "train" else 10_007))
+  out = []
+  while len(out) < n:
+    a, b = (int(x) for x in rng.randint(0, MAX_OPERAND, 2))
+    op = OPS[int(rng.randint(0, len(OPS)))]
+    if _is_test(a, b, op) != (split == "test"):
+      continue
+    prompt = f"What is {a} {op} {b}?"
+    answer = str(_answer(a, b, op))
+    out.append({"prompt": prompt, "answer": answer,
+                "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"#### {answer}"}]})
+  return out
+
+
+def source(spec: str):
+  """`arith[:SPLIT[:N]]` -> an in-memory source."""
+  parts = spec.split(":")
+  if parts[0] != "arith":
+    raise DataError(f"synthetic task {parts[0]!r}; available: arith")
+  split = parts[1] if len(parts) > 1 else "train"
+  n = int(parts[2]) if len(parts) > 2 else None
+  return ListSource(records(split, n), name=f"synthetic:arith:{split}")
+
+
+def extract_answer(text: str) -> str | None:
+  m = ANSWER_RE.search(text)
+  return m.group(1) if m else None
+
+
+def score(completion: str, answer: str) -> float:
+  """1.0 when the completion's `#### N` equals the ground truth, else 0.0."""
+  return float(extract_answer(completion) == str(answer).strip())
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 320) -> None:
+  """A byte-level BPE over the task's text with single-digit tokens, ChatML template, eos = <|im_end|>."""
+  import json
+
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tk = Tokenizer(models.BPE())
+  tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False)])
+  tk.decoder = decoders.ByteLevel()
+  corpus = []
+  for r in records("train", 5000):
+    corpus += [r["prompt"], r["messages"][1]["content"], "user", "assistant", "system"]
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  tk.train_from_iterator(corpus, trainer)
+  os.makedirs(out_dir, exist_ok=True)
+  tk.save(os.path.join(out_dir, "tokenizer.json"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+            "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE, "model_max_length": 64}
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+    f.write("\n")
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--write-tokenizer", required=True, metavar="DIR")
+  build_tokenizer(p.parse_args().write_tokenizer)
+
+
+if __name__ == "__main__":
+  main()

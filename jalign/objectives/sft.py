@@ -1,0 +1,53 @@
+"""Supervised fine-tuning: next-token NLL on completion / assistant tokens, token-mean over the global batch."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jalign import kernels
+
+
+def targets_and_weights(batch: dict):
+  """Next-token targets [B, T-1] and their weights: the target is a loss token of the same packed sequence."""
+  tokens, seg = batch["tokens"], batch["segment_ids"]
+  targets = tokens[:, 1:]
+  weights = batch["loss_mask"][:, 1:] * (seg[:, 1:] == seg[:, :-1]) * (seg[:, :-1] != 0)
+  return targets, weights.astype(jnp.float32)
+
+
+def make_loss_fn(graphdef, *, impl: str = "xla"):
+  def loss_fn(params, batch):
+    lm = nnx.merge(graphdef, params)
+    hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+    targets, weights = targets_and_weights(batch)
+    logp, _, _ = kernels.token_logprobs(hidden[:, :-1], lm.unembed(), targets, softcap=lm.cfg.final_softcap,
+                                        impl=impl)
+    nll_sum = -jnp.sum(logp * weights)
+    return nll_sum, jnp.sum(weights), {}
+  return loss_fn
+
+
+def exact_match(graphdef, params, examples: list[dict], *, batch_size: int = 64) -> float:
+  """Fraction of examples whose every loss token is the model's argmax given the true prefix. For a completion that
+  ends with eos this is exactly "greedy decoding reproduces the reference answer"."""
+  @jax.jit
+  def correct(params, tokens, loss_mask):
+    lm = nnx.merge(graphdef, params)
+    logits = lm(tokens)[:, :-1]  # right padding cannot affect earlier positions (causal)
+    hit = (jnp.argmax(logits, -1) == tokens[:, 1:]) | (loss_mask[:, 1:] == 0)
+    return jnp.all(hit, axis=-1)
+
+  hits = []
+  for start in range(0, len(examples), batch_size):
+    chunk = examples[start:start + batch_size]
+    length = max(len(e["tokens"]) for e in chunk)
+    length = 1 << (length - 1).bit_length()  # power-of-two buckets: few compiles
+    tokens = np.zeros((batch_size, length), np.int32)
+    mask = np.zeros((batch_size, length), np.int32)
+    for i, e in enumerate(chunk):
+      tokens[i, :len(e["tokens"])] = e["tokens"]
+      mask[i, :len(e["loss_mask"])] = e["loss_mask"]
+    hits.extend(np.asarray(correct(params, jnp.asarray(tokens), jnp.asarray(mask)))[:len(chunk)].tolist())
+  return float(np.mean(hits)) if hits else 0.0

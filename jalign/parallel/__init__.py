@@ -1,0 +1,8 @@
+"""Mesh, logical-axis rules and shardings for parameters, optimizer state and batches.
+
+Convention: Auto axis types (see jalign.models.sharding); parameters carry explicit NamedShardings, batches are
+split over ('data', 'fsdp') on their leading axis, optimizer state follows its parameter, scalars are replicated.
+"""
+from jalign.parallel.shardings import batch_sharding, mesh_from_config, optimizer_shardings, replicated
+
+__all__ = ["batch_sharding", "mesh_from_config", "optimizer_shardings", "replicated"]

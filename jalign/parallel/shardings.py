@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jalign.models.sharding import make_mesh
+
+
+def mesh_from_config(shape: tuple[int, int, int]) -> Mesh:
+  """('data', 'fsdp', 'tensor') over all devices (all processes); one entry may be -1 for the remaining ones."""
+  n = len(jax.devices())
+  fixed = int(np.prod([s for s in shape if s != -1]))
+  if any(s == 0 or s < -1 for s in shape) or (-1 in shape and n % fixed) or (-1 not in shape and fixed != n):
+    raise ValueError(f"mesh.shape={tuple(shape)} does not fit the {n} available devices "
+                     "(use positive sizes whose product is the device count, or -1 once for the rest)")
+  return make_mesh(tuple(shape))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, leading_micro_axis: bool = False) -> NamedSharding:
+  """Examples split over the data-parallel axes ('data', 'fsdp'); an optional micro-batch axis in front."""
+  spec = (None, ("data", "fsdp")) if leading_micro_axis else (("data", "fsdp"),)
+  return NamedSharding(mesh, P(*spec))
+
+
+def optimizer_shardings(optimizer: optax.GradientTransformation, param_shardings, params_abstract, mesh: Mesh):
+  """Shardings for `optimizer.init(params)`: per-parameter state like its parameter, the rest replicated."""
+  abstract_state = jax.eval_shape(optimizer.init, params_abstract)
+  return optax.tree_map_params(optimizer, lambda _, s: s, abstract_state, param_shardings,
+                               transform_non_params=lambda _: replicated(mesh))

@@ -1,0 +1,59 @@
+"""`python -m jalign.run --config=configs/<task>.py[:tiny] [--config.key=value ...]`
+
+Parses and validates the config, then runs its task. Each task wires an objective's loss to the shared loop.
+"""
+from __future__ import annotations
+
+import jax
+from absl import app, logging
+from ml_collections import config_flags
+
+from jalign.config import ConfigError, RunConfig, validate
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Task config: configs/<task>.py[:arg]", lock_config=True)
+
+
+def run_sft(cfg: RunConfig) -> dict:
+  from jalign.data import sft as sft_data
+  from jalign.data.sources import DataError, open_source
+  from jalign.objectives import sft
+  from jalign.train import loop
+
+  def evaluate(setup, params) -> dict:
+    if not cfg.data.eval or not cfg.train.eval_examples:
+      return {}
+    source = open_source(cfg.data.eval)
+    examples = []
+    for i in range(min(len(source), cfg.train.eval_examples)):
+      try:
+        examples.append(sft_data.encode(source[i], setup.tok, max_length=cfg.data.max_length,
+                                        truncation=cfg.data.truncation))
+      except DataError:
+        continue
+    return {"eval/exact_match": sft.exact_match(setup.graphdef, params, examples)}
+
+  return loop.run(cfg, make_loss_fn=lambda g: sft.make_loss_fn(g, impl=cfg.logprobs.impl), encode=sft_data.encode,
+                  evaluate=evaluate)
+
+
+TASKS = {"sft": run_sft}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if logging.get_verbosity() == logging.INFO:  # keep library INFO chatter (orbax) off the console unless -v
+    logging.set_verbosity(logging.WARNING)
+  if _CONFIG.value is None:
+    raise app.UsageError("--config=configs/<task>.py is required")
+  try:
+    cfg = validate(_CONFIG.value, jax.device_count())
+  except ConfigError as e:
+    raise SystemExit(f"config error: {e}") from None
+  final = TASKS[cfg.task](cfg)
+  summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(("eval/", "train/loss")))
+  print(f"done: {summary}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,48 @@
+"""Orbax checkpoints of train state + data-iterator state + config; resume from the newest complete one.
+
+Orbax writes each step into a temporary directory and renames it when complete, so a crash mid-save leaves the
+previous checkpoints intact and the incomplete one invisible to `latest_step`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  def __init__(self, directory: str, *, keep: int, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+                       "config": ocp.JsonCheckpointHandler()})
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, data_iterator, config: dict) -> None:
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
+        config=ocp.args.JsonSave(config)), force=True)
+
+  def restore(self, step: int, abstract_state: Any, data_iterator) -> Any:
+    """Restores onto the shardings in `abstract_state` (jax.ShapeDtypeStruct leaves), whatever mesh saved it."""
+    out = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    return out["state"]
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def abstract_like(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

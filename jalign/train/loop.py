@@ -1,0 +1,241 @@
+"""The training loop shared by every objective: model and data on the mesh, jitted step, checkpoints, metrics.
+
+Step N+1 is dispatched before step N's metrics are read back, so the host never waits on the device just to log.
+SIGTERM (how Cloud TPU spot VMs and Kubernetes preempt) finishes the current step, saves and exits cleanly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jalign import models, parallel, tokenizer as tokenizer_lib
+from jalign.config import RunConfig, as_dict
+from jalign.data import pipeline
+from jalign.data.sources import open_source
+from jalign.train import optimizer as optim_lib
+from jalign.train.checkpoint import Checkpointer, abstract_like
+from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_host
+from jalign.train.step import TrainState, make_step
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything a run builds before its first step."""
+  cfg: RunConfig
+  mesh: jax.sharding.Mesh
+  tok: tokenizer_lib.Tokenizer
+  graphdef: Any
+  model_cfg: models.ModelConfig
+  state: TrainState
+  state_shardings: Any
+
+
+def load_model(cfg: RunConfig, mesh) -> models.Decoder:
+  m = cfg.model
+  knobs = dict(scan_layers=m.scan_layers, remat=m.remat)
+  if m.path:
+    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, rules=cfg.mesh.rules,
+                                  compute_dtype=m.compute_dtype or m.dtype, **knobs)
+  arch = m.arch.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, **knobs)
+  return models.create(arch, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
+
+
+def setup(cfg: RunConfig, optimizer) -> Setup:
+  mesh = parallel.mesh_from_config(cfg.mesh.shape)
+  tok = tokenizer_lib.load(cfg.tokenizer or cfg.model.path)
+  lm = load_model(cfg, mesh)
+  if tok.vocab_size > lm.cfg.vocab_size:
+    raise ValueError(f"tokenizer {cfg.tokenizer or cfg.model.path} has {tok.vocab_size} tokens, more than the "
+                     f"model's vocab_size {lm.cfg.vocab_size}")
+  graphdef, params = nnx.split(lm)
+  params = nnx.to_pure_dict(params)
+  param_shardings = nnx.to_pure_dict(models.state_shardings(lm, mesh, cfg.mesh.rules))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+  rep = parallel.replicated(mesh)
+  state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), params, opt_state)
+  shardings = TrainState(rep, param_shardings, opt_shardings)
+  return Setup(cfg, mesh, tok, graphdef, lm.cfg, state, shardings)
+
+
+def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool):
+  source = open_source(spec)
+  rows = cfg.train.batch_size // jax.process_count()
+  pspec = pipeline.PipelineSpec(batch_size=rows, seq_len=cfg.train.seq_len, packing=cfg.data.packing,
+                                buckets=cfg.data.buckets, shuffle=cfg.data.shuffle and train, seed=cfg.seed,
+                                num_epochs=None if train else 1, skip_bad_records=cfg.data.skip_bad_records,
+                                num_packing_bins=cfg.data.num_packing_bins, drop_remainder=train)
+  ds, counters = pipeline.build(source, encode, pspec, process_index=jax.process_index(),
+                                process_count=jax.process_count())
+  return iter(ds), counters, source
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag checked between steps."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    if threading_main():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def threading_main() -> bool:
+  import threading
+  return threading.current_thread() is threading.main_thread()
+
+
+def global_batch(local: dict, sharding) -> dict:
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+
+
+def run(cfg: RunConfig, *, make_loss_fn: Callable, encode: Callable, evaluate: Callable | None = None) -> dict:
+  """Trains `cfg.train.steps` steps (resuming if a checkpoint exists); returns the final metrics.
+
+  make_loss_fn(graphdef) -> loss_fn(params, batch); encode(record, tok) -> example dict;
+  evaluate(setup, params) -> dict of held-out metrics (run at eval_every and at the end)."""
+  optimizer, lr_schedule = optim_lib.make(cfg.optim, cfg.train.steps)
+  s = setup(cfg, optimizer)
+  mesh = s.mesh
+  encode_fn = functools.partial(encode, tok=s.tok, max_length=cfg.data.max_length, truncation=cfg.data.truncation)
+  train_it, counters, _ = data_iterator(cfg, cfg.data.train, encode_fn, train=True)
+
+  batch_sharding = parallel.batch_sharding(mesh)
+  micro_sharding = parallel.batch_sharding(mesh, leading_micro_axis=True)
+  step_fn = make_step(make_loss_fn(s.graphdef), optimizer, lr_schedule, cfg.train.micro_batches, micro_sharding)
+  rep = parallel.replicated(mesh)
+  jitted = jax.jit(step_fn, in_shardings=(s.state_shardings, batch_sharding), out_shardings=(s.state_shardings, rep),
+                   donate_argnums=0)
+
+  ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
+                      async_save=cfg.checkpoint.async_save)
+  state = s.state
+  start = 0
+  latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+  if latest is not None:
+    state = ckpt.restore(latest, abstract_like(state), train_it)
+    start = latest
+  config_dict = as_dict(cfg)
+  writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, config_dict)
+  if latest is not None:
+    writer.print(f"resumed from {ckpt.directory}/{latest}")
+
+  loss_eval = _make_eval_loss(cfg, s, make_loss_fn, encode_fn, batch_sharding) if cfg.data.eval else None
+  fpt = flops_per_token(s.model_cfg, cfg.train.seq_len)
+  peak = peak_flops(cfg.log.peak_flops)
+  final: dict[str, float] = {}
+  pending = None  # (step, metrics on device, tokens, dispatch time) of the previous step
+  last_time = time.perf_counter()
+
+  def evaluate_now(step: int, params) -> dict:
+    out = {}
+    if loss_eval is not None:
+      out.update(loss_eval(params))
+    if evaluate is not None:
+      out.update(evaluate(s, params))
+    if out:
+      writer.write(step, out)
+      writer.print(f"step {step}: " + "  ".join(f"{k}={v:.4f}" for k, v in out.items()))
+    return out
+
+  def save(step: int):
+    ckpt.save(step, state, train_it, config_dict)
+
+  def flush(pending):
+    nonlocal last_time
+    step, dev_metrics, tokens = pending
+    m = to_host(dev_metrics)
+    now = time.perf_counter()
+    elapsed, last_time = now - last_time, now
+    m["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
+    m["perf/step_time_s"] = elapsed
+    if peak:
+      m["perf/mfu"] = m["perf/tokens_per_s"] * fpt / (peak * jax.device_count())
+    m["data/skipped_bad_records"] = counters.bad
+    m["data/skipped_too_long"] = counters.too_long
+    if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+      writer.write(step, m)
+    writer.advance()
+    return m
+
+  with _Preemption() as preempt, mesh:
+    step = start
+    while step < cfg.train.steps:
+      local = next(train_it)
+      tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
+      batch = global_batch(local, batch_sharding)
+      state, dev_metrics = jitted(state, batch)
+      step += 1
+      if pending is not None:
+        final = flush(pending)
+      pending = (step, dev_metrics, tokens)
+      if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
+        save(step)
+      if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+        evaluate_now(step, state.params)
+      if preempt.requested:
+        final = flush(pending)
+        pending = None
+        save(step)
+        ckpt.close()
+        writer.print(f"SIGTERM: saved step {step} to {ckpt.directory}; exiting")
+        writer.close()
+        return {**final, "preempted": 1.0}
+    if pending is not None:
+      final = flush(pending)
+    if start < cfg.train.steps or latest is None:
+      save(cfg.train.steps)
+    final.update(evaluate_now(cfg.train.steps, state.params))
+    ckpt.close()
+    if cfg.checkpoint.export_hf and jax.process_index() == 0:
+      lm = nnx.merge(s.graphdef, state.params)
+      out = os.path.join(cfg.run_dir, "hf")
+      models.save_pretrained(lm, out, tokenizer=s.tok)
+      writer.print(f"exported HF checkpoint to {out}")
+  writer.close()
+  return final
+
+
+def _make_eval_loss(cfg: RunConfig, s: Setup, make_loss_fn, encode_fn, batch_sharding):
+  loss_fn = make_loss_fn(s.graphdef)
+
+  @jax.jit
+  def sums(params, batch):
+    loss_sum, weight, _ = loss_fn(params, batch)
+    return loss_sum, weight
+
+  def evaluate(params) -> dict:
+    it, _, _ = data_iterator(cfg, cfg.data.eval, encode_fn, train=False)
+    total, weight = 0.0, 0.0
+    for _ in range(cfg.train.eval_batches):
+      try:
+        local = next(it)
+      except StopIteration:
+        break
+      if len(local["tokens"]) * jax.process_count() != cfg.train.batch_size:
+        break  # a short final batch would not split over the mesh
+      l, w = sums(params, global_batch(local, batch_sharding))
+      total, weight = total + float(l), weight + float(w)
+    return {"eval/loss": total / weight} if weight else {}
+
+  return evaluate

@@ -1,0 +1,105 @@
+"""Metrics to the console (progress bar with ETA), a JSONL file, TensorBoard and W&B; throughput and MFU."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jalign.config import LogSection
+from jalign.models.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
+              "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token: 6 N (forward + backward of every matmul weight, the LM head included, the embedding
+  lookup excluded) plus the attention term 12 L H Dh T (PaLM, Chowdhery et al. 2022, appendix B)."""
+  n = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)  # a tied table is the head
+  return 6.0 * n + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+def peak_flops(configured: float) -> float | None:
+  if configured > 0:
+    return configured
+  kind = jax.devices()[0].device_kind
+  for name, flops in PEAK_FLOPS.items():
+    if name.lower() in kind.lower():
+      return flops
+  return None
+
+
+class MetricsWriter:
+  def __init__(self, cfg: LogSection, run_dir: str, total_steps: int, start_step: int, config: dict[str, Any]):
+    self.cfg = cfg
+    self._main = jax.process_index() == 0
+    self._jsonl = self._tb = self._wandb = self._bar = None
+    if not self._main:
+      return
+    os.makedirs(run_dir, exist_ok=True)
+    if cfg.jsonl:
+      self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+    if cfg.tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+      except ImportError:
+        print("tensorboardX is not installed: TensorBoard logging is off", file=sys.stderr)
+    if cfg.wandb:
+      try:
+        import wandb
+        self._wandb = wandb.init(project=cfg.wandb_project, dir=run_dir, config=config, resume="allow")
+      except ImportError:
+        print("wandb is not installed: W&B logging is off", file=sys.stderr)
+    if cfg.progress:
+      from tqdm import tqdm
+      self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stdout,
+                       disable=None)
+
+  def write(self, step: int, metrics: dict[str, float]) -> None:
+    if not self._main:
+      return
+    clean = {k: float(v) for k, v in metrics.items() if v is not None}
+    if self._jsonl:
+      self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+      self._jsonl.flush()
+    if self._tb:
+      for k, v in clean.items():
+        self._tb.add_scalar(k, v, step)
+    if self._wandb:
+      self._wandb.log(clean, step=step)
+    if self._bar is not None:
+      keys = ("train/loss", "eval/loss", "eval/exact_match", "perf/tokens_per_s", "perf/mfu")
+      self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.4g}" for k in keys if k in clean}, refresh=False)
+
+  def advance(self, n: int = 1) -> None:
+    if self._bar is not None:
+      self._bar.update(n)
+
+  def print(self, text: str) -> None:
+    if not self._main:
+      return
+    if self._bar is not None:
+      self._bar.write(text)
+    else:
+      print(text, flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._jsonl:
+      self._jsonl.close()
+    if self._tb:
+      self._tb.close()
+    if self._wandb:
+      self._wandb.finish()
+
+
+def to_host(metrics: dict) -> dict[str, float]:
+  return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}

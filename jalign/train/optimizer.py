@@ -1,0 +1,37 @@
+"""optax optimizer from config: AdamW (no decay on norm scales and biases), warmup + decay schedule, clipping."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from jalign.config import OptimSection
+
+
+def schedule(o: OptimSection, steps: int) -> optax.Schedule:
+  end = o.lr * o.min_lr_ratio
+  decay_steps = max(steps - o.warmup_steps, 1)
+  if o.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(o.lr, decay_steps, alpha=o.min_lr_ratio)
+  elif o.schedule == "linear":
+    decay = optax.linear_schedule(o.lr, end, decay_steps)
+  else:
+    decay = optax.constant_schedule(o.lr)
+  if not o.warmup_steps:
+    return decay
+  warmup = optax.linear_schedule(0.0, o.lr, o.warmup_steps)
+  return optax.join_schedules([warmup, decay], [o.warmup_steps])
+
+
+def decay_mask(params) -> dict:
+  """True where weight decay applies: every parameter except norm scales and biases (HF Trainer's rule)."""
+  def keep(path, _):
+    name = str(getattr(path[-1], "key", path[-1]))
+    return not ("norm" in name or "bias" in name or name.startswith("b_"))
+  return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make(o: OptimSection, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  lr = schedule(o, steps)
+  parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+  parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
+  return optax.chain(*parts), lr

@@ -1,0 +1,61 @@
+"""The pure train step: gradient accumulation as a lax.scan over micro-batches, one optimizer update.
+
+An objective supplies `loss_fn(params, batch) -> (loss_sum, weight, metric_sums)`; the step divides by the weight
+summed over the whole global batch (all micro-batches and data-parallel shards), so accumulation and data
+parallelism give the same update as one big batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, dict]]
+
+
+def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_schedule, micro_batches: int,
+              micro_sharding=None):
+  """(state, batch) -> (state, metrics); batch leaves are [global_batch, ...]."""
+
+  def step(state: TrainState, batch: dict):
+    micro = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
+    if micro_sharding is not None:
+      micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+
+    def accumulate(carry, mb):
+      grads, loss_sum, weight, sums = carry
+      (l, (w, s)), g = jax.value_and_grad(lambda p: _split(loss_fn(p, mb)), has_aux=True)(state.params)
+      return (jax.tree.map(jnp.add, grads, g), loss_sum + l, weight + w, jax.tree.map(jnp.add, sums, s)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    _, (_, metric_shapes) = jax.eval_shape(lambda: _split(loss_fn(state.params, jax.tree.map(lambda x: x[0], micro))))
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+    (grads, loss_sum, weight, sums), _ = jax.lax.scan(accumulate, init, micro)
+    denom = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"train/loss": loss_sum / denom, "train/grad_norm": optax.global_norm(grads),
+               "train/lr": lr_schedule(state.step), "train/weight": weight,
+               **{k: v / denom for k, v in sums.items()}}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  return step
+
+
+def _split(out):
+  loss_sum, weight, sums = out
+  return loss_sum, (weight.astype(jnp.float32), sums)

@@ -1,0 +1,43 @@
+"""Config validation: each bad config names the key and what is accepted."""
+import pytest
+
+from jalign.config import ConfigError
+from tests.configs_util import config_dict, run_config
+
+
+def test_tiny_sft_config_validates():
+  cfg = run_config("sft")
+  assert cfg.task == "sft" and cfg.train.steps == 8 and cfg.model.arch.hidden_size == 32
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(train__stepz=3), r"config.train.stepz: unknown key; accepted keys of config.train: batch_size, "),
+    (dict(train__steps="10"), r"config.train.steps: expected an integer, found str '10'"),
+    (dict(train__steps=0), r"config.train.steps=0: must be positive"),
+    (dict(optim__schedule="exp"), r"config.optim.schedule: 'exp' is not accepted; accepted: 'cosine', 'linear', "
+                                  r"'constant'"),
+    (dict(optim__lr=-1.0), r"config.optim.lr=-1.0: must be positive"),
+    (dict(data__packing="yes"), r"config.data.packing: expected True or False"),
+    (dict(train__batch_size=12, mesh__shape=(1, 8, 1)),
+     r"config.train.batch_size=12 is not divisible by data-parallel size \(data x fsdp = 8\) x "
+     r"train.micro_batches=1; accepted: multiples of 8"),
+    (dict(train__batch_size=8, train__micro_batches=2, mesh__shape=(2, 4, 1)),
+     r"accepted: multiples of 16"),
+    (dict(mesh__shape=(4, 4, 1)), r"config.mesh.shape=\(4, 4, 1\) needs 16 devices; 8 are available"),
+    (dict(mesh__shape=(3, -1, 1)), r"config.mesh.shape=\(3, -1, 1\) needs 3 devices x k; 8 are available"),
+    (dict(mesh__shape=(1, 8)), r"config.mesh.shape: expected 3 entries, found 2"),
+    (dict(data__max_length=100), r"config.data.max_length=100 exceeds config.train.seq_len=64"),
+    (dict(data__train=""), r"config.data.train: empty"),
+    (dict(model__arch__num_heads=3), r"config.model.arch: num_attention_heads=3 is not a multiple of "
+                                     r"num_key_value_heads=2"),
+    (dict(model__dtype="int8"), r"config.model.dtype: 'int8' is not accepted; accepted: 'float32', 'bfloat16'"),
+    (dict(task="dpo2"), r"config.task: 'dpo2' is not accepted; accepted: 'sft'"),
+])
+def test_bad_config_names_the_key(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    run_config("sft", **overrides)
+
+
+def test_unknown_config_arg():
+  with pytest.raises(ValueError, match="unknown arg 'huge'; accepted: 'tiny' or none"):
+    config_dict("sft", "huge")
