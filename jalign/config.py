@@ -68,7 +68,8 @@ class OptimSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-  shape: tuple[int, int, int] = (1, -1, 1)   # ('data', 'fsdp', 'tensor'); -1 = the remaining devices
+  shape: tuple[int, int, int] = (1, -1, 1)   # ('data', 'fsdp', 'tensor'); -1 = the remaining devices; without
+                                             # -1, a mesh smaller than the machine uses the first devices
   rules: tuple = DEFAULT_RULES               # logical axis -> mesh axis / tuple of axes / None
 
 
@@ -219,7 +220,7 @@ def validate(values, num_devices: int) -> RunConfig:
   fixed = 1
   for s in m.shape:
     fixed *= s if s != -1 else 1
-  if fixed > num_devices or num_devices % fixed or (-1 not in m.shape and fixed != num_devices):
+  if fixed > num_devices or (-1 in m.shape and num_devices % fixed):
     raise ConfigError(f"config.mesh.shape={m.shape} needs {fixed} devices{'' if -1 not in m.shape else ' x k'}; "
                       f"{num_devices} are available")
   sizes = [s if s != -1 else num_devices // fixed for s in m.shape]

@@ -25,6 +25,7 @@ def test_tiny_sft_config_validates():
      r"accepted: multiples of 16"),
     (dict(mesh__shape=(4, 4, 1)), r"config.mesh.shape=\(4, 4, 1\) needs 16 devices; 8 are available"),
     (dict(mesh__shape=(3, -1, 1)), r"config.mesh.shape=\(3, -1, 1\) needs 3 devices x k; 8 are available"),
+    (dict(mesh__shape=(1, 0, 1)), r"config.mesh.shape=\(1, 0, 1\): sizes must be positive"),
     (dict(mesh__shape=(1, 8)), r"config.mesh.shape: expected 3 entries, found 2"),
     (dict(data__max_length=100), r"config.data.max_length=100 exceeds config.train.seq_len=64"),
     (dict(data__train=""), r"config.data.train: empty"),

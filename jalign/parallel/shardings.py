@@ -9,13 +9,14 @@ from jalign.models.sharding import make_mesh
 
 
 def mesh_from_config(shape: tuple[int, int, int]) -> Mesh:
-  """('data', 'fsdp', 'tensor') over all devices (all processes); one entry may be -1 for the remaining ones."""
-  n = len(jax.devices())
+  """('data', 'fsdp', 'tensor') over the devices of all processes; one entry may be -1 for the remaining ones.
+  Without -1 the mesh may be smaller than the machine: it takes the first devices."""
+  devices = jax.devices()
   fixed = int(np.prod([s for s in shape if s != -1]))
-  if any(s == 0 or s < -1 for s in shape) or (-1 in shape and n % fixed) or (-1 not in shape and fixed != n):
-    raise ValueError(f"mesh.shape={tuple(shape)} does not fit the {n} available devices "
-                     "(use positive sizes whose product is the device count, or -1 once for the rest)")
-  return make_mesh(tuple(shape))
+  if any(s == 0 or s < -1 for s in shape) or fixed > len(devices) or (-1 in shape and len(devices) % fixed):
+    raise ValueError(f"mesh.shape={tuple(shape)} does not fit the {len(devices)} available devices "
+                     "(positive sizes whose product is at most the device count, or -1 once for the rest)")
+  return make_mesh(tuple(shape), devices if -1 in shape else devices[:fixed])
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

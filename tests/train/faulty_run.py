@@ -1,0 +1,47 @@
+"""`python -m jalign.run` with a SIGKILL injected at a chosen point, for crash/resume tests.
+
+Environment: KILL_AFTER_SAVE=k (once checkpoint k is complete), KILL_DURING_SAVE=k (right after checkpoint k is
+started, before it is finalised), KILL_AT_BATCH=n (after the n-th training batch is dispatched).
+"""
+import os
+import signal
+
+from absl import app
+
+from jalign import run
+from jalign.train import checkpoint, loop
+
+
+def _die():
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+  after, during = os.environ.get("KILL_AFTER_SAVE"), os.environ.get("KILL_DURING_SAVE")
+  at_batch = os.environ.get("KILL_AT_BATCH")
+  save = checkpoint.Checkpointer.save
+
+  def faulty_save(self, step, *args, **kwargs):
+    save(self, step, *args, **kwargs)
+    if during and step == int(during):
+      _die()
+    if after and step == int(after):
+      self.wait()
+      _die()
+
+  checkpoint.Checkpointer.save = faulty_save
+  if at_batch:
+    real, calls = loop.global_batch, {"n": 0}
+
+    def counting(*args, **kwargs):
+      calls["n"] += 1
+      if calls["n"] > int(at_batch):
+        _die()
+      return real(*args, **kwargs)
+
+    loop.global_batch = counting
+  app.run(run.main)
+
+
+if __name__ == "__main__":
+  main()
