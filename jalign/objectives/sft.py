@@ -10,11 +10,13 @@ from jalign import kernels
 
 
 def targets_and_weights(batch: dict):
-  """Next-token targets [B, T-1] and their weights: the target is a loss token of the same packed sequence."""
+  """Next-token targets [B, T] and their weights: the target is a loss token of the same packed sequence. The last
+  position gets weight 0 instead of being sliced off, so the head runs on T (not T-1) rows: aligned shapes are
+  markedly faster on CPU."""
+  shift = lambda x: jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
   tokens, seg = batch["tokens"], batch["segment_ids"]
-  targets = tokens[:, 1:]
-  weights = batch["loss_mask"][:, 1:] * (seg[:, 1:] == seg[:, :-1]) * (seg[:, :-1] != 0)
-  return targets, weights.astype(jnp.float32)
+  weights = shift(batch["loss_mask"]) * (shift(seg) == seg) * (seg != 0)
+  return shift(tokens), weights.astype(jnp.float32)
 
 
 def make_loss_fn(graphdef, *, impl: str = "xla"):
@@ -22,8 +24,7 @@ def make_loss_fn(graphdef, *, impl: str = "xla"):
     lm = nnx.merge(graphdef, params)
     hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
     targets, weights = targets_and_weights(batch)
-    logp, _, _ = kernels.token_logprobs(hidden[:, :-1], lm.unembed(), targets, softcap=lm.cfg.final_softcap,
-                                        impl=impl)
+    logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap, impl=impl)
     nll_sum = -jnp.sum(logp * weights)
     return nll_sum, jnp.sum(weights), {}
   return loss_fn

@@ -38,6 +38,7 @@ def peak_flops(configured: float) -> float | None:
 class MetricsWriter:
   def __init__(self, cfg: LogSection, run_dir: str, total_steps: int, start_step: int, config: dict[str, Any]):
     self.cfg = cfg
+    self.total = total_steps
     self._main = jax.process_index() == 0
     self._jsonl = self._tb = self._wandb = self._bar = None
     if not self._main:
@@ -74,9 +75,12 @@ class MetricsWriter:
         self._tb.add_scalar(k, v, step)
     if self._wandb:
       self._wandb.log(clean, step=step)
-    if self._bar is not None:
-      keys = ("train/loss", "eval/loss", "eval/exact_match", "perf/tokens_per_s", "perf/mfu")
-      self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.4g}" for k in keys if k in clean}, refresh=False)
+    keys = ("train/loss", "train/lr", "perf/tokens_per_s", "perf/mfu")
+    shown = {k.split("/")[-1]: f"{clean[k]:.4g}" for k in keys if k in clean}
+    if self._bar is not None and not self._bar.disable:
+      self._bar.set_postfix(shown, refresh=False)
+    elif self.cfg.progress and shown:  # not a terminal (a log file, CI): one line per logged step
+      print(f"step {step}/{self.total}: " + "  ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
 
   def advance(self, n: int = 1) -> None:
     if self._bar is not None:
