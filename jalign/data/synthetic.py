@@ -1,8 +1,9 @@
 """Built-in verifiable task: two-number arithmetic in words and digits, with its tokenizer and scorer.
 
 Prompts look like "What is 37 + 48?"; the assistant answers "#### 85" (the GSM8K answer convention, so the same
-reward functions read it). Operand pairs are split deterministically between train and test, so held-out accuracy
-measures generalisation, not recall. A tiny model trained briefly gets some but not all held-out prompts right.
+reward functions read it). Half the problems have a one-digit second operand (easy), half two digits (hard, carries
+and borrows), so a tiny model trained briefly gets some but not all held-out prompts right. Operand triples are split
+deterministically between train and test: held-out accuracy measures generalisation, not recall.
 
     python -m jalign.data.synthetic --write-tokenizer DIR   # (re)build the shipped tokenizer
 """
@@ -39,7 +40,9 @@ def records(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
   rng = np.random.RandomState(seed + (0 if split == "train" else 10_007))
   out = []
   while len(out) < n:
-    a, b = (int(x) for x in rng.randint(0, MAX_OPERAND, 2))
+    easy = rng.rand() < 0.5
+    a = int(rng.randint(0, MAX_OPERAND))
+    b = int(rng.randint(0, 10 if easy else MAX_OPERAND))
     op = OPS[int(rng.randint(0, len(OPS)))]
     if _is_test(a, b, op) != (split == "test"):
       continue

@@ -33,19 +33,23 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> n
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Preallocated keys/values for decoding. `segment_BxS` is 0 for empty or padding slots; `index` is the next
-  slot to write (shared by the batch: left-padded prompts keep every row in step)."""
-  k_LxBxSxKxH: jax.Array
-  v_LxBxSxKxH: jax.Array
+  """Preallocated keys/values for decoding, one [B, S, K, H] buffer per layer (so a decode step updates each in
+  place; a stacked [L, ...] buffer would be rewritten whole every token). `segment_BxS` is 0 for empty or padding
+  slots; `index` is the next slot to write (shared by the batch: left-padded prompts keep rows in step)."""
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   segment_BxS: jax.Array
   index: jax.Array
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     dtype = dtype or cfg.dtype
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_len), jnp.int32),
-               jnp.zeros((), jnp.int32))
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return cls(zeros(), zeros(), jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
+
+  def num_bytes(self) -> int:
+    return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v)) + self.segment_BxS.size * 4
 
 
 class Layers(nnx.Module):
@@ -178,14 +182,20 @@ class Decoder(nnx.Module):
     """The output projection as [D, V]."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
+  def layer_list(self) -> list[dict[str, jax.Array]]:
+    """Per-layer weights sliced out of the stacked parameters (a decode loop slices them once, outside the loop)."""
+    stacked = self.layers.arrays()
+    return [jax.tree.map(lambda a: a[i], stacked) for i in range(self.cfg.num_layers)]
+
   def forward(self, input_ids_BxT, attention_mask=None, *, positions=None, segment_ids=None,
-              cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+              cache: KVCache | None = None, layers: list[dict] | None = None) -> tuple[jax.Array, KVCache | None]:
     """Hidden states after the final norm, [B, T, D], and the updated cache.
 
     Padding: `attention_mask` [B, T] (1 = token; left padding fine) gives positions like transformers' `generate`.
     Packing: `segment_ids` [B, T] (1, 2, ... per packed sequence, 0 = padding) with `positions` [B, T] restarting
     at 0 for each sequence.
-    Decoding: pass a `KVCache`; the new tokens are written at `cache.index`.
+    Decoding: pass a `KVCache`; the new tokens are written at `cache.index`. Layers then run unrolled, each on
+    its own cache buffer; `layers` (from `layer_list()`) saves re-slicing the stacked weights per call.
     """
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
@@ -204,34 +214,38 @@ class Decoder(nnx.Module):
     x = jnp.take(self.embed[...], input_ids_BxT, axis=0).astype(dt)
     if cfg.embed_scale:
       x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dt)
-    stacked = self.layers.arrays()
-    windows_L = jnp.asarray(cfg.layer_windows())
-    inv_freq_LxH2 = jnp.asarray(cfg.layer_inv_freq())
-    k_segment = None
-    if cache is not None:
-      k_segment = jax.lax.dynamic_update_slice_in_dim(cache.segment_BxS, segment_ids_BxT.astype(jnp.int32),
-                                                      cache_index, axis=1)
+    windows_L, inv_freq_LxH2 = cfg.layer_windows(), cfg.layer_inv_freq()
+    if cache is not None or layers is not None:
+      per_layer = layers if layers is not None else self.layer_list()
+      k_segment = None
+      if cache is not None:
+        k_segment = jax.lax.dynamic_update_slice_in_dim(cache.segment_BxS, segment_ids_BxT.astype(jnp.int32),
+                                                        cache_index, axis=1)
+      new_k, new_v = [], []
+      for i in range(cfg.num_layers):
+        kv = None if cache is None else (cache.k[i], cache.v[i], k_segment)
+        x, kv = decoder_layer(cfg, x, per_layer[i], int(windows_L[i]), jnp.asarray(inv_freq_LxH2[i]),
+                              positions_BxT, segment_ids_BxT, q_index_T, kv, cache_index)
+        if kv is not None:
+          new_k.append(kv[0])
+          new_v.append(kv[1])
+      if cache is not None:
+        cache = KVCache(tuple(new_k), tuple(new_v), k_segment, cache_index + T)
+      return rms_norm(x, self.final_norm[...], cfg), cache
+
     layer = _remat(decoder_layer, cfg.remat)
 
     def body(x, xs):
-      lp, window, inv_freq, kv = xs
-      kv = None if kv is None else (*kv, k_segment)
-      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, kv, cache_index)
+      lp, window, inv_freq = xs
+      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, None, cache_index)[0], None
 
-    kv_L = None if cache is None else (cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
-    xs = (stacked, windows_L, inv_freq_LxH2, kv_L)
+    xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2))
     if cfg.scan_layers:
-      x, new_kv = jax.lax.scan(body, x, xs)
+      x, _ = jax.lax.scan(body, x, xs)
     else:
-      outs = []
       for i in range(cfg.num_layers):
-        x, kv_i = body(x, jax.tree.map(lambda a: a[i], xs))
-        outs.append(kv_i)
-      new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
-    hidden = rms_norm(x, self.final_norm[...], cfg)
-    if cache is not None:
-      cache = KVCache(new_kv[0], new_kv[1], k_segment, cache_index + T)
-    return hidden, cache
+        x, _ = body(x, jax.tree.map(lambda a: a[i], xs))
+    return rms_norm(x, self.final_norm[...], cfg), None
 
   def logits(self, hidden_BxTxD) -> jax.Array:
     logits = _dense(hidden_BxTxD, self.unembed().astype(hidden_BxTxD.dtype)).astype(jnp.float32)

@@ -1,0 +1,48 @@
+"""The shipped tiny policy is what `python -m jalign.run --config=configs/sft.py` produces."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.configs_util import ROOT
+
+SHIPPED = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
+
+
+def test_shipped_policy_loads_and_solves_some_but_not_all():
+  import jax
+  from flax import nnx
+
+  from jalign import models, tokenizer
+  from jalign.data import sft as sft_data, synthetic
+  from jalign.objectives import sft
+
+  lm = models.from_pretrained(SHIPPED)
+  tok = tokenizer.load(SHIPPED)
+  examples = [sft_data.encode(r, tok, max_length=64) for r in synthetic.records("test")]
+  graphdef, params = nnx.split(lm)
+  acc = sft.exact_match(graphdef, nnx.to_pure_dict(params), examples)
+  recorded = json.load(open(os.path.join(SHIPPED, "..", "tiny_policy.json")))
+  assert acc == pytest.approx(recorded["eval/exact_match"], abs=1e-9)
+  assert 0.1 < acc < 0.9
+
+
+@pytest.mark.slow
+def test_sft_config_reproduces_the_shipped_policy(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py",
+                        f"--config.run_dir={tmp_path}", "--config.log.progress=False",
+                        "--config.log.tensorboard=False"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+  assert out.returncode == 0, out.stderr[-3000:]
+  recorded = json.load(open(os.path.join(SHIPPED, "..", "tiny_policy.json")))
+  final = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if "eval/exact_match" in l][-1]
+  # Same machine type: bitwise. Another CPU may round differently over 1500 steps; accuracy must still agree.
+  assert abs(final["eval/exact_match"] - recorded["eval/exact_match"]) <= 0.03
+  got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(os.path.join(SHIPPED, "model.safetensors"))
+  assert set(got) == set(want)
+  drift = max(float(np.abs(got[k] - want[k]).max()) for k in want)
+  print(f"max |weight difference| vs shipped: {drift:.3g}")
+  assert drift < 0.05
