@@ -98,8 +98,38 @@ class LogprobSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplingSection:
+  max_new_tokens: int = 32
+  temperature: float = 1.0
+  top_k: int = 0                       # 0 = off
+  top_p: float = 1.0
+  min_p: float = 0.0
+  num_samples: int = 4                 # completions per prompt (a GRPO group)
+  max_prompt_length: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+  weights: tuple = (("gsm8k", 1.0),)   # (name, weight) pairs from jalign.rl.rewards.REGISTRY
+  overlong_max_length: int = 0         # DAPO overlong penalty; 0 = off
+  overlong_buffer: int = 0
+  length_target: int = 0               # linear length penalty; 0 = off
+  length_weight: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+  prompts: str = ""                    # prompt source (same specs as data.train)
+  output: str = ""                     # buffer directory; "" = run_dir/buffer
+  format: Literal["parquet", "arrayrecord"] = "parquet"
+  prompts_per_batch: int = 16
+  limit: int = 0                       # first N prompts only; 0 = all
+  min_reward: float | None = None      # drop trajectories scoring below this
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
-  task: Literal["sft"] = "sft"
+  task: Literal["sft", "rollout"] = "sft"
   run_dir: str = "runs/default"
   seed: int = 0
   tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
@@ -111,6 +141,9 @@ class RunConfig:
   checkpoint: CheckpointSection = CheckpointSection()
   log: LogSection = LogSection()
   logprobs: LogprobSection = LogprobSection()
+  sampling: SamplingSection = SamplingSection()
+  reward: RewardSection = RewardSection()
+  rollout: RolloutSection = RolloutSection()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,13 +267,42 @@ def validate(values, num_devices: int) -> RunConfig:
                       "example must fit one row")
   if d.buckets and max(d.buckets) > t.seq_len:
     raise ConfigError(f"config.data.buckets={d.buckets}: largest bucket exceeds train.seq_len={t.seq_len}")
-  if not d.train:
+  if cfg.task == "sft" and not d.train:
     raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
+  if cfg.task == "rollout":
+    _validate_rollout(cfg)
   if not cfg.model.path and cfg.model.arch is None:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):
     raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
   return cfg
+
+
+def _validate_rollout(cfg: RunConfig) -> None:
+  s, r = cfg.sampling, cfg.rollout
+  if not r.prompts:
+    raise ConfigError("config.rollout.prompts: empty; give a prompt file/glob, tfds:... or synthetic:TASK:SPLIT")
+  for key, v in (("sampling.max_new_tokens", s.max_new_tokens), ("sampling.num_samples", s.num_samples),
+                 ("sampling.max_prompt_length", s.max_prompt_length),
+                 ("rollout.prompts_per_batch", r.prompts_per_batch)):
+    if v <= 0:
+      raise ConfigError(f"config.{key}={v}: must be positive")
+  if s.temperature < 0 or not 0 < s.top_p <= 1 or not 0 <= s.min_p < 1 or s.top_k < 0:
+    raise ConfigError(f"config.sampling: temperature >= 0, 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0 required "
+                      f"(got {s.temperature}, {s.top_p}, {s.min_p}, {s.top_k})")
+  from jalign.rl.rewards import RewardError
+  try:
+    reward_spec(cfg)
+  except RewardError as e:
+    raise ConfigError(f"config.reward: {e}") from None
+
+
+def reward_spec(cfg: RunConfig):
+  from jalign.rl.rewards import RewardSpec
+  w = cfg.reward
+  return RewardSpec(weights=tuple((str(n), float(x)) for n, x in w.weights),
+                    overlong_max_length=w.overlong_max_length, overlong_buffer=w.overlong_buffer,
+                    length_target=w.length_target, length_weight=w.length_weight)
 
 
 def as_dict(cfg) -> dict[str, Any]:

@@ -36,7 +36,12 @@ def run_sft(cfg: RunConfig) -> dict:
                   evaluate=evaluate)
 
 
-TASKS = {"sft": run_sft}
+def run_rollout(cfg: RunConfig) -> dict:
+  from jalign.train import rollout
+  return rollout.run(cfg)
+
+
+TASKS = {"sft": run_sft, "rollout": run_rollout}
 
 
 def main(argv):
@@ -51,7 +56,8 @@ def main(argv):
   except ConfigError as e:
     raise SystemExit(f"config error: {e}") from None
   final = TASKS[cfg.task](cfg)
-  summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(("eval/", "train/loss")))
+  summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())
+                      if k.startswith(("eval/", "train/loss", "rollout/", "perf/new")))
   print(f"done: {summary}", flush=True)
 
 

@@ -1,7 +1,8 @@
 """`python -m jalign.run` with a SIGKILL injected at a chosen point, for crash/resume tests.
 
 Environment: KILL_AFTER_SAVE=k (once checkpoint k is complete), KILL_DURING_SAVE=k (right after checkpoint k is
-started, before it is finalised), KILL_AT_BATCH=n (after the n-th training batch is dispatched).
+started, before it is finalised), KILL_AT_BATCH=n (after the n-th training batch is dispatched), KILL_AT_PART=n (when a rollout is about to write
+buffer part n).
 """
 import os
 import signal
@@ -9,6 +10,7 @@ import signal
 from absl import app
 
 from jalign import run
+from jalign.rl import buffer
 from jalign.train import checkpoint, loop
 
 
@@ -40,6 +42,16 @@ def main():
       return real(*args, **kwargs)
 
     loop.global_batch = counting
+  at_part = os.environ.get("KILL_AT_PART")
+  if at_part:
+    write = buffer.BufferWriter.write
+
+    def faulty_write(self, part, records):
+      if part == int(at_part):
+        _die()
+      return write(self, part, records)
+
+    buffer.BufferWriter.write = faulty_write
   app.run(run.main)
 
 

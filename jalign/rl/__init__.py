@@ -1,0 +1,1 @@
+"""Experience for RL: reward functions, rollouts into a replay buffer."""

@@ -1,0 +1,77 @@
+"""Replay buffer on disk: a directory of part files (Parquet or ArrayRecord of JSON), one per rollout batch.
+
+Each part is written under a temporary name and renamed when complete, so an interrupted rollout leaves only whole
+parts; `completed_parts` tells a restarted run which batches are already done.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+FORMATS = ("parquet", "arrayrecord")
+_PART = re.compile(r"part-(\d{6})\.(parquet|arrayrecord)$")
+FIELDS = ("prompt_index", "group_id", "sample", "prompt_ids", "response_ids", "behaviour_logprobs", "reward",
+          "ground_truth", "finish_reason", "prompt", "completion", "policy")
+
+
+class BufferWriter:
+  def __init__(self, directory: str, fmt: str = "parquet"):
+    if fmt not in FORMATS:
+      raise ValueError(f"buffer format {fmt!r}; accepted: {', '.join(FORMATS)}")
+    self.directory, self.fmt = directory, fmt
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):  # leftovers of a part that was being written when a run died
+      if name.endswith(".tmp"):
+        os.remove(os.path.join(directory, name))
+
+  def completed_parts(self) -> set[int]:
+    return {int(m.group(1)) for m in map(_PART.match, os.listdir(self.directory)) if m and m.group(2) == self.fmt}
+
+  def write(self, part: int, records: list[dict]) -> str:
+    path = os.path.join(self.directory, f"part-{part:06d}.{self.fmt}")
+    tmp = path + ".tmp"
+    if self.fmt == "parquet":
+      import pyarrow as pa
+      import pyarrow.parquet as pq
+      table = pa.Table.from_pylist(records, schema=_schema()) if records else _schema().empty_table()
+      pq.write_table(table, tmp)
+    else:
+      import array_record.python.array_record_module as ar
+      writer = ar.ArrayRecordWriter(tmp, "group_size:1")
+      for r in records:
+        writer.write(json.dumps(r).encode())
+      writer.close()
+    os.replace(tmp, path)
+    return path
+
+
+def _schema():
+  import pyarrow as pa
+  return pa.schema([("prompt_index", pa.int64()), ("group_id", pa.int64()), ("sample", pa.int32()),
+                    ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
+                    ("behaviour_logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
+                    ("ground_truth", pa.string()), ("finish_reason", pa.int32()), ("prompt", pa.string()),
+                    ("completion", pa.string()), ("policy", pa.string())])
+
+
+def part_files(directory: str) -> list[str]:
+  names = sorted(n for n in os.listdir(directory) if _PART.match(n))
+  if not names:
+    raise FileNotFoundError(f"{directory}: no buffer parts (part-NNNNNN.parquet / .arrayrecord)")
+  return [os.path.join(directory, n) for n in names]
+
+
+def read_all(directory: str) -> list[dict]:
+  """Every record of the buffer, in part order (small buffers and tests; training reads through data sources)."""
+  out = []
+  for path in part_files(directory):
+    if path.endswith(".parquet"):
+      import pyarrow.parquet as pq
+      out.extend(pq.read_table(path).to_pylist())
+    else:
+      import array_record.python.array_record_module as ar
+      reader = ar.ArrayRecordReader(path)
+      out.extend(json.loads(r) for r in reader.read_all())
+      reader.close()
+  return out

@@ -1,0 +1,211 @@
+"""Reward functions on decoded text (verifiable, rule-based) and the in-graph reward-model scorer.
+
+A reward function maps a batch of completions (with their ground truths and token lengths) to float32 scores.
+Functions are registered by name so configs pick them (`{"gsm8k": 1.0, "format": 0.1}`). Model output is only ever
+parsed with regular expressions and `fractions.Fraction`; nothing is evaluated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from fractions import Fraction
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class RewardError(ValueError):
+  """Unknown reward name, bad weights, or a record without the ground truth its reward needs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  completions: Sequence[str]
+  ground_truths: Sequence[str | None]
+  lengths: np.ndarray                      # generated tokens per completion
+  where: Sequence[str] = ()                # record locations, for error messages
+
+
+RewardFn = Callable[[Batch], np.ndarray]
+REGISTRY: dict[str, RewardFn] = {}
+NEEDS_GROUND_TRUTH: set[str] = set()
+
+
+def register(name: str, *, verifiable: bool = False):
+  def wrap(fn: RewardFn) -> RewardFn:
+    REGISTRY[name] = fn
+    if verifiable:
+      NEEDS_GROUND_TRUTH.add(name)
+    return fn
+  return wrap
+
+
+# ------------------------------------------------------------------------------------------------ answer extraction
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+_GSM8K = re.compile(r"####\s*(" + _NUMBER + ")")
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+def parse_number(text: str | None) -> Fraction | None:
+  """'1,234.50' -> Fraction(2469, 2); None when `text` is not a plain decimal number."""
+  if text is None:
+    return None
+  text = text.strip().replace(",", "").rstrip(".")
+  if text.startswith("$"):
+    text = text[1:]
+  if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", text):
+    return None
+  return Fraction(text)
+
+
+def extract_gsm8k(text: str) -> str | None:
+  """The number after the last '####' (GSM8K's answer convention, as verl's gsm8k scorer reads it)."""
+  found = _GSM8K.findall(text)
+  return found[-1] if found else None
+
+
+def extract_boxed(text: str) -> str | None:
+  """Contents of the last \\boxed{...} (braces balanced), as math graders read it."""
+  start = text.rfind("\\boxed")
+  if start < 0:
+    return None
+  i = text.find("{", start)
+  if i < 0:
+    return None
+  depth = 0
+  for j in range(i, len(text)):
+    depth += {"{": 1, "}": -1}.get(text[j], 0)
+    if depth == 0:
+      return text[i + 1:j]
+  return None
+
+
+def extract_last_number(text: str) -> str | None:
+  found = _ANY_NUMBER.findall(text)
+  return found[-1] if found else None
+
+
+def _normalise(answer: str | None) -> str | None:
+  if answer is None:
+    return None
+  answer = answer.strip().strip("$").replace(" ", "").replace("\\!", "")
+  answer = re.sub(r"\\text\{(.*?)\}", r"\1", answer)
+  return answer.rstrip(".")
+
+
+def answers_match(predicted: str | None, truth: str) -> bool:
+  """Numeric equality when both parse as numbers, else equality of normalised strings."""
+  if predicted is None:
+    return False
+  a, b = parse_number(predicted), parse_number(truth)
+  if a is not None and b is not None:
+    return a == b
+  return _normalise(predicted) == _normalise(truth)
+
+
+def _check_truth(batch: Batch, name: str) -> None:
+  for i, truth in enumerate(batch.ground_truths):
+    if truth is None or (isinstance(truth, str) and not truth.strip()):
+      where = batch.where[i] if i < len(batch.where) else f"completion {i}"
+      raise RewardError(f"{where}: reward {name!r} needs a ground truth ('answer', 'ground_truth' or verl's "
+                        "'reward_model.ground_truth'), and this record has none")
+
+
+def _answer_reward(name: str, extract: Callable[[str], str | None]) -> RewardFn:
+  def fn(batch: Batch) -> np.ndarray:
+    _check_truth(batch, name)
+    return np.array([float(answers_match(extract(c), str(t))) for c, t in zip(batch.completions,
+                                                                               batch.ground_truths)], np.float32)
+  return fn
+
+
+register("gsm8k", verifiable=True)(_answer_reward("gsm8k", extract_gsm8k))
+register("boxed", verifiable=True)(_answer_reward("boxed", extract_boxed))
+register("last_number", verifiable=True)(_answer_reward("last_number", extract_last_number))
+
+
+@register("exact_match", verifiable=True)
+def exact_match(batch: Batch) -> np.ndarray:
+  """1 when the whole completion, whitespace-trimmed, equals the ground truth."""
+  _check_truth(batch, "exact_match")
+  return np.array([float(c.strip() == str(t).strip()) for c, t in zip(batch.completions, batch.ground_truths)],
+                  np.float32)
+
+
+FORMAT_PATTERN = re.compile(r"^\s*####\s*" + "(?:" + _NUMBER + r")\s*$")
+
+
+@register("format")
+def format_reward(batch: Batch) -> np.ndarray:
+  """1 when the completion is exactly an answer line '#### <number>' (the built-in task's format), else 0."""
+  return np.array([float(bool(FORMAT_PATTERN.match(c))) for c in batch.completions], np.float32)
+
+
+def overlong_penalty(lengths: np.ndarray, *, max_length: int, buffer: int) -> np.ndarray:
+  """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_length - buffer, then falling linearly
+  to -1 at max_length, and -1 beyond."""
+  lengths = np.asarray(lengths, np.float64)
+  start = max_length - buffer
+  return np.where(lengths <= start, 0.0, np.where(lengths <= max_length, (start - lengths) / buffer, -1.0)).astype(
+      np.float32)
+
+
+def length_penalty(lengths: np.ndarray, *, target: int) -> np.ndarray:
+  """-(tokens beyond target) / target: a linear cost on verbosity."""
+  return (-np.maximum(np.asarray(lengths, np.float64) - target, 0) / target).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+  """Weighted sum of registered rewards, plus optional length terms."""
+  weights: tuple[tuple[str, float], ...]
+  overlong_max_length: int = 0             # 0 = off
+  overlong_buffer: int = 0
+  length_target: int = 0                   # 0 = off
+  length_weight: float = 0.0
+
+  def __post_init__(self):
+    if not self.weights:
+      raise RewardError("no reward functions configured; available: " + ", ".join(sorted(REGISTRY)))
+    for name, _ in self.weights:
+      if name not in REGISTRY:
+        raise RewardError(f"unknown reward {name!r}; available: {', '.join(sorted(REGISTRY))}")
+    if self.overlong_max_length and not 0 < self.overlong_buffer <= self.overlong_max_length:
+      raise RewardError(f"overlong_buffer={self.overlong_buffer} must be in (0, overlong_max_length="
+                        f"{self.overlong_max_length}]")
+
+  @property
+  def needs_ground_truth(self) -> bool:
+    return any(name in NEEDS_GROUND_TRUTH for name, _ in self.weights)
+
+  def __call__(self, batch: Batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(total reward [N], per-term scores)."""
+    terms = {name: REGISTRY[name](batch) for name, _ in self.weights}
+    total = sum(w * terms[name] for name, w in self.weights)
+    if self.overlong_max_length:
+      terms["overlong"] = overlong_penalty(batch.lengths, max_length=self.overlong_max_length,
+                                           buffer=self.overlong_buffer)
+      total = total + terms["overlong"]
+    if self.length_target:
+      terms["length"] = length_penalty(batch.lengths, target=self.length_target)
+      total = total + self.length_weight * terms["length"]
+    return np.asarray(total, np.float32), terms
+
+
+# ------------------------------------------------------------------------------------------ reward model in-graph
+
+def last_token_index(mask_BxT: jax.Array) -> jax.Array:
+  """Index of each row's last real token (right or left padding)."""
+  positions = jnp.arange(mask_BxT.shape[1])
+  return jnp.max(jnp.where(mask_BxT > 0, positions, -1), axis=1)
+
+
+def score_with_reward_model(backbone, head, ids_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+  """Bradley-Terry reward model score per sequence: the scalar head read at the last non-pad token. Pure and
+  jittable, so RL loops call it inside their jitted scoring step."""
+  hidden, _ = backbone.forward(ids_BxT, mask_BxT)
+  scores_BxT = head(hidden)
+  return jnp.take_along_axis(scores_BxT, last_token_index(mask_BxT)[:, None], axis=1)[:, 0]
