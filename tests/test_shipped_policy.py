@@ -28,7 +28,7 @@ def test_shipped_policy_loads_and_solves_some_but_not_all():
   acc = sft.exact_match(graphdef, nnx.to_pure_dict(params), examples)
   recorded = json.load(open(os.path.join(SHIPPED, "..", "tiny_policy.json")))
   assert acc == pytest.approx(recorded["eval/exact_match"], abs=1e-9)
-  assert 0.1 < acc < 0.9
+  assert 0.05 < acc < 0.9  # some but not all held-out prompts
 
 
 @pytest.mark.slow
