@@ -1,0 +1,1 @@
+"""Pure math on arrays: advantages, policy-gradient losses, KL estimators, aggregation."""

@@ -1,0 +1,108 @@
+"""Policy-gradient losses, KL estimators and loss aggregation, as defined in verl's `core_algos.py`."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jalign.losses.advantages import masked_mean
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "abs", "k2", "k3")
+
+
+def aggregate_parts(loss_BxT, mask_BxT, mode: str, *, global_rows: int | None = None):
+  """(numerator, denominator) whose sums over micro-batches and data-parallel shards, divided, give `aggregate` of
+  the whole global batch: the normaliser is global, not per micro-batch (a pitfall of per-shard means)."""
+  mask = mask_BxT.astype(jnp.float32)
+  per_seq = jnp.sum(loss_BxT * mask, axis=-1)
+  rows = jnp.asarray(loss_BxT.shape[0], jnp.float32)
+  if mode == "token-mean":
+    return jnp.sum(per_seq), jnp.sum(mask)
+  if mode == "seq-mean-token-sum":
+    return jnp.sum(per_seq), rows
+  if mode == "seq-mean-token-mean":
+    return jnp.sum(per_seq / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)), rows
+  if mode == "seq-mean-token-sum-norm":
+    # Dr. GRPO: sum of token sums over a constant (max response length); verl does not divide by the rows.
+    share = rows / (global_rows if global_rows else rows)
+    return jnp.sum(per_seq), loss_BxT.shape[-1] * share
+  raise ValueError(f"loss aggregation {mode!r}; accepted: {', '.join(AGG_MODES)}")
+
+
+def aggregate(loss_BxT, mask_BxT, mode: str = "token-mean"):
+  num, den = aggregate_parts(loss_BxT, mask_BxT, mode)
+  return num / den
+
+
+def kl_penalty(logp, ref_logp, kind: str = "k3"):
+  """Per-token KL(pi || ref) estimators (Schulman, "Approximating KL divergence", 2020): k1 = log ratio, abs,
+  k2 = half squared log ratio, k3 = exp(-x) + x - 1 with verl's clamps."""
+  if kind == "k1":
+    return logp - ref_logp
+  if kind == "abs":
+    return jnp.abs(logp - ref_logp)
+  if kind == "k2":
+    return 0.5 * jnp.square(logp - ref_logp)
+  if kind == "k3":
+    kl = jnp.clip(ref_logp - logp, -20.0, 20.0)
+    return jnp.clip(jnp.exp(kl) - kl - 1.0, -10.0, 10.0)
+  raise ValueError(f"KL estimator {kind!r}; accepted: {', '.join(KL_KINDS)}")
+
+
+def policy_loss_matrix(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                       clip_c: float | None = None, mode: str = "vanilla"):
+  """Per-token clipped surrogate [B, T] and metrics.
+
+  vanilla: PPO clip with separate low/high ranges (DAPO clip-higher) and, when `clip_c` is set, dual clip (Ye et
+  al. 2020) bounding the loss of negative-advantage tokens by -A * clip_c. gspo: sequence-level ratio
+  (mean token log-ratio, stop-gradient) times the token's own ratio, clipped (Zheng et al. 2025)."""
+  mask = mask.astype(jnp.float32)
+  log_ratio = logp - old_logp
+  if mode == "vanilla":
+    ratio = jnp.exp(jnp.clip(log_ratio, -20.0, 20.0))
+  elif mode == "gspo":
+    seq = jnp.sum(log_ratio * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)
+    log_seq_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq)[:, None]
+    ratio = jnp.exp(jnp.minimum(log_seq_ratio, 10.0))
+  else:
+    raise ValueError(f"policy loss mode {mode!r}; accepted: vanilla, gspo")
+  loss1 = -adv * ratio
+  loss2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  clipped = jnp.maximum(loss1, loss2)
+  metrics = {"pg_clipfrac": masked_mean((loss2 > loss1).astype(jnp.float32), mask),
+             "ppo_kl": masked_mean(-log_ratio, mask)}
+  if mode == "vanilla" and clip_c is not None:
+    loss3 = -adv * clip_c
+    dual = jnp.minimum(loss3, clipped)
+    metrics["pg_clipfrac_lower"] = masked_mean(((clipped > loss3) & (adv < 0)).astype(jnp.float32), mask)
+    clipped = jnp.where(adv < 0, dual, clipped)
+  return clipped, metrics
+
+
+def policy_loss(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                clip_c: float | None = None, agg: str = "token-mean", mode: str = "vanilla"):
+  """Aggregated clipped surrogate (GSPO always aggregates seq-mean-token-mean, as verl does) and metrics."""
+  loss, metrics = policy_loss_matrix(logp, old_logp, adv, mask, clip_low=clip_low, clip_high=clip_high,
+                                     clip_c=clip_c, mode=mode)
+  return aggregate(loss, mask, "seq-mean-token-mean" if mode == "gspo" else agg), metrics
+
+
+def value_loss(values_pred, returns, values_old, mask, *, clip: float, agg: str = "token-mean"):
+  """Clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- clip) - R)^2)) and the clipped fraction."""
+  clipped = jnp.clip(values_pred, values_old - clip, values_old + clip)
+  l1, l2 = (values_pred - returns) ** 2, (clipped - returns) ** 2
+  return 0.5 * aggregate(jnp.maximum(l1, l2), mask, agg), masked_mean((l2 > l1).astype(jnp.float32), mask)
+
+
+class AdaptiveKL:
+  """Adaptive KL coefficient (Ziegler et al. 2019): proportional error clipped to +-0.2, scaled by steps/horizon."""
+
+  def __init__(self, init: float, target: float, horizon: int):
+    if horizon <= 0:
+      raise ValueError(f"adaptive KL horizon must be positive, got {horizon}")
+    self.value, self.target, self.horizon = init, target, horizon
+
+  def update(self, current_kl: float, n_steps: int) -> float:
+    error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+    self.value *= 1.0 + error * n_steps / self.horizon
+    return self.value
