@@ -128,8 +128,29 @@ class RolloutSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrpoSection:
+  prompts: str = ""                    # training prompts (same specs as data.train)
+  prompts_per_step: int = 16           # x sampling.num_samples completions per step
+  mini_batches: int = 1                # optimizer updates per epoch over the step's completions
+  ppo_epochs: int = 1
+  adv_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+  clip_low: float = 0.2
+  clip_high: float = 0.28              # DAPO clip-higher (Yu et al. 2025); 0.2 = symmetric PPO
+  clip_c: float | None = None          # dual clip (Ye et al. 2020); None = off
+  loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+  agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+  kl_coef: float = 0.001               # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl)
+  kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
+  entropy_coef: float = 0.0
+  dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal
+  eval_prompts: str = ""               # held-out prompts for greedy accuracy; "" = none
+  eval_examples: int = 500
+  max_kl: float = 0.0                  # stop when the mean KL to the reference exceeds this; 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
-  task: Literal["sft", "rollout"] = "sft"
+  task: Literal["sft", "rollout", "grpo"] = "sft"
   run_dir: str = "runs/default"
   seed: int = 0
   tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
@@ -144,6 +165,7 @@ class RunConfig:
   sampling: SamplingSection = SamplingSection()
   reward: RewardSection = RewardSection()
   rollout: RolloutSection = RolloutSection()
+  grpo: GrpoSection = GrpoSection()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,15 +284,23 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError(f"config.train.batch_size={t.batch_size} is not divisible by data-parallel size "
                       f"(data x fsdp = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
                       f"{dp * t.micro_batches}")
-  if d.packing and d.max_length > t.seq_len:
+  if cfg.task == "grpo":
+    mb_rows = cfg.grpo.prompts_per_step * cfg.sampling.num_samples // max(cfg.grpo.mini_batches, 1)
+    if mb_rows % dp:
+      raise ConfigError(f"config.grpo: {mb_rows} completions per mini-batch do not split over data-parallel size "
+                        f"(data x fsdp = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
+                        "grpo.mini_batches or mesh.shape")
+  if cfg.task == "sft" and d.packing and d.max_length > t.seq_len:
     raise ConfigError(f"config.data.max_length={d.max_length} exceeds config.train.seq_len={t.seq_len}: a packed "
                       "example must fit one row")
   if d.buckets and max(d.buckets) > t.seq_len:
     raise ConfigError(f"config.data.buckets={d.buckets}: largest bucket exceeds train.seq_len={t.seq_len}")
   if cfg.task == "sft" and not d.train:
     raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
-  if cfg.task == "rollout":
+  if cfg.task in ("rollout", "grpo"):
     _validate_rollout(cfg)
+  if cfg.task == "grpo":
+    _validate_grpo(cfg)
   if not cfg.model.path and cfg.model.arch is None:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):
@@ -280,7 +310,7 @@ def validate(values, num_devices: int) -> RunConfig:
 
 def _validate_rollout(cfg: RunConfig) -> None:
   s, r = cfg.sampling, cfg.rollout
-  if not r.prompts:
+  if cfg.task == "rollout" and not r.prompts:
     raise ConfigError("config.rollout.prompts: empty; give a prompt file/glob, tfds:... or synthetic:TASK:SPLIT")
   for key, v in (("sampling.max_new_tokens", s.max_new_tokens), ("sampling.num_samples", s.num_samples),
                  ("sampling.max_prompt_length", s.max_prompt_length),
@@ -295,6 +325,25 @@ def _validate_rollout(cfg: RunConfig) -> None:
     reward_spec(cfg)
   except RewardError as e:
     raise ConfigError(f"config.reward: {e}") from None
+
+
+def _validate_grpo(cfg: RunConfig) -> None:
+  g, s = cfg.grpo, cfg.sampling
+  if not g.prompts:
+    raise ConfigError("config.grpo.prompts: empty; give a prompt file/glob, tfds:... or synthetic:TASK:SPLIT")
+  if s.num_samples < 2 and g.adv_estimator in ("grpo", "rloo"):
+    raise ConfigError(f"config.sampling.num_samples={s.num_samples}: {g.adv_estimator} compares completions of "
+                      "the same prompt and needs at least 2")
+  rows = g.prompts_per_step * s.num_samples
+  if g.mini_batches <= 0 or rows % g.mini_batches:
+    raise ConfigError(f"config.grpo.mini_batches={g.mini_batches} does not divide the {rows} completions per step "
+                      f"(grpo.prompts_per_step x sampling.num_samples)")
+  if g.clip_low < 0 or g.clip_high < g.clip_low:
+    raise ConfigError(f"config.grpo.clip_high={g.clip_high} must be >= clip_low={g.clip_low} >= 0")
+  if g.clip_c is not None and g.clip_c <= 1.0:
+    raise ConfigError(f"config.grpo.clip_c={g.clip_c}: the dual-clip bound must be > 1")
+  if s.temperature == 0:
+    raise ConfigError("config.sampling.temperature=0: GRPO needs sampled (not greedy) completions")
 
 
 def reward_spec(cfg: RunConfig):

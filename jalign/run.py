@@ -41,7 +41,12 @@ def run_rollout(cfg: RunConfig) -> dict:
   return rollout.run(cfg)
 
 
-TASKS = {"sft": run_sft, "rollout": run_rollout}
+def run_grpo(cfg: RunConfig) -> dict:
+  from jalign.train import grpo
+  return grpo.run(cfg)
+
+
+TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo}
 
 
 def main(argv):
@@ -57,7 +62,7 @@ def main(argv):
     raise SystemExit(f"config error: {e}") from None
   final = TASKS[cfg.task](cfg)
   summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())
-                      if k.startswith(("eval/", "train/loss", "rollout/", "perf/new")))
+                      if k.startswith(("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score")))
   print(f"done: {summary}", flush=True)
 
 

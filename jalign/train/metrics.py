@@ -75,7 +75,8 @@ class MetricsWriter:
         self._tb.add_scalar(k, v, step)
     if self._wandb:
       self._wandb.log(clean, step=step)
-    keys = ("train/loss", "train/lr", "perf/tokens_per_s", "perf/mfu")
+    keys = ("train/loss", "actor/loss", "critic/score/mean", "actor/kl_loss", "train/lr", "perf/tokens_per_s",
+            "perf/mfu")
     shown = {k.split("/")[-1]: f"{clean[k]:.4g}" for k in keys if k in clean}
     if self._bar is not None and not self._bar.disable:
       self._bar.set_postfix(shown, refresh=False)

@@ -1,0 +1,60 @@
+"""GRPO / PPO-style policy update on sampled sequences: clipped surrogate + KL to the reference + entropy bonus.
+
+Batch layout (all [N, ...]): `tokens` [N, P+R] = left-padded prompt then response, `segment_ids`/`positions` for the
+forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R]. The
+loss comes back as (numerator, denominator) so the train step normalises over the global batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jalign import kernels
+from jalign.losses import policy
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoLossConfig:
+  clip_low: float = 0.2
+  clip_high: float = 0.28
+  clip_c: float | None = None
+  mode: str = "vanilla"              # vanilla | gspo
+  agg: str = "token-mean"
+  kl_coef: float = 0.001
+  kl_kind: str = "k3"
+  entropy_coef: float = 0.0
+  temperature: float = 1.0
+  global_rows: int = 0               # rows per optimizer step (for seq-mean-token-sum-norm)
+
+
+def response_logprobs(graphdef, params, batch: dict, temperature: float, impl: str = "xla"):
+  """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`."""
+  lm = nnx.merge(graphdef, params)
+  hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+  r = batch["response"].shape[1]
+  p = batch["tokens"].shape[1] - r
+  logp, entropy, _ = kernels.token_logprobs(hidden[:, p - 1:p + r - 1], lm.unembed(), batch["response"],
+                                            temperature=temperature, softcap=lm.cfg.final_softcap, impl=impl)
+  return logp, entropy
+
+
+def make_loss_fn(graphdef, cfg: GrpoLossConfig, impl: str = "xla"):
+  def loss_fn(params, batch):
+    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, impl)
+    mask = batch["response_mask"].astype(jnp.float32)
+    pg, metrics = policy.policy_loss_matrix(logp, batch["old_logp"], batch["advantages"], mask,
+                                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
+                                            mode=cfg.mode)
+    kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind)
+    total = pg + cfg.kl_coef * kl - cfg.entropy_coef * entropy
+    agg = "seq-mean-token-mean" if cfg.mode == "gspo" else cfg.agg
+    num, den = policy.aggregate_parts(total, mask, agg, global_rows=cfg.global_rows or None)
+    # Metric sums: each divided by the step's summed denominator, so token-mean metrics come out as global means.
+    sums = {"actor/pg_loss": policy.aggregate_parts(pg, mask, agg, global_rows=cfg.global_rows or None)[0],
+            "actor/kl_loss": jnp.sum(kl * mask) * den / jnp.maximum(jnp.sum(mask), 1.0),
+            "actor/entropy": jnp.sum(entropy * mask) * den / jnp.maximum(jnp.sum(mask), 1.0),
+            "actor/pg_clipfrac": metrics["pg_clipfrac"] * den, "actor/ppo_kl": metrics["ppo_kl"] * den}
+    return num, den, sums
+  return loss_fn

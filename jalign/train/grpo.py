@@ -1,0 +1,191 @@
+"""Online GRPO: prompts -> `sampling.generate` (n per prompt) -> rewards -> group advantages -> ppo_epochs x
+mini-batches of clipped-surrogate updates with a KL penalty to the frozen reference policy.
+
+Checkpoints hold the train state and the prompt iterator; a rerun resumes where the last checkpoint left off.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jalign import models, parallel, sampling
+from jalign.config import RunConfig, as_dict, reward_spec
+from jalign.data.sources import open_source
+from jalign.losses import advantages as adv_lib
+from jalign.objectives import grpo as objective
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
+from jalign.rl.rollout import encode_prompt
+from jalign.train import loop, optimizer as optim_lib
+from jalign.train.checkpoint import Checkpointer, abstract_like
+from jalign.train.metrics import MetricsWriter
+from jalign.train.step import make_step
+
+
+def _prompt_iterator(cfg: RunConfig, n: int):
+  ds = grain.MapDataset.range(n).seed(cfg.seed).shuffle().repeat(None)
+  return iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())
+
+
+def _left_pad(prompts, pad_id: int):
+  width = sampling.prompt_bucket(max(len(p.ids) for p in prompts))
+  ids = np.full((len(prompts), width), pad_id, np.int32)
+  mask = np.zeros((len(prompts), width), np.int32)
+  for row, p in enumerate(prompts):
+    ids[row, width - len(p.ids):] = p.ids
+    mask[row, width - len(p.ids):] = 1
+  return ids, mask
+
+
+def accuracy(lm, tok, prompts, metric: str, max_new: int, batch: int = 128) -> float:
+  """Greedy held-out accuracy under the verifiable reward `metric`."""
+  scores = []
+  for start in range(0, len(prompts), batch):
+    chunk = prompts[start:start + batch]
+    ids, mask = _left_pad(chunk, tok.pad_id)
+    out = sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=max_new, temperature=0.0,
+                            stop_token_ids=(tok.eos_id,), pad_id=tok.pad_id)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(chunk))]
+    scores.extend(REGISTRY[metric](Batch(texts, [p.ground_truth for p in chunk], lengths)).tolist())
+  return float(np.mean(scores))
+
+
+def run(cfg: RunConfig) -> dict:
+  g, s = cfg.grpo, cfg.sampling
+  optimizer, lr_schedule = optim_lib.make(cfg.optim, cfg.train.steps)
+  setup = loop.setup(cfg, optimizer)
+  mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
+  rewards = reward_spec(cfg)
+  metric = next((n for n, _ in rewards.weights if n in NEEDS_GROUND_TRUTH), None)
+  max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
+  source = open_source(g.prompts)
+  encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
+  eval_prompts = []
+  if g.eval_prompts and metric:
+    eval_source = open_source(g.eval_prompts)
+    eval_prompts = [encode(eval_source[i], index=i, where=eval_source.where(i))
+                    for i in range(min(len(eval_source), g.eval_examples))]
+
+  rows = g.prompts_per_step * s.num_samples
+  loss_cfg = objective.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode,
+                                      agg=g.agg, kl_coef=g.kl_coef, kl_kind=g.kl_kind, entropy_coef=g.entropy_coef,
+                                      temperature=s.temperature, global_rows=rows // g.mini_batches)
+  batch_sharding = parallel.batch_sharding(mesh)
+  rep = parallel.replicated(mesh)
+  step_fn = make_step(objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.impl), optimizer, lr_schedule, 1,
+                      parallel.batch_sharding(mesh, leading_micro_axis=True))
+  update = jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
+                   out_shardings=(setup.state_shardings, rep), donate_argnums=0)
+  logprobs = jax.jit(lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,
+                                                                      cfg.logprobs.impl)[0])
+  state = setup.state
+  reference = jax.tree.map(jnp.copy, state.params)  # frozen: the policy as loaded
+
+  prompts_it = _prompt_iterator(cfg, len(source))
+  ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
+                      async_save=cfg.checkpoint.async_save)
+  start = 0
+  latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+  if latest is not None:
+    state = ckpt.restore(latest, abstract_like(state), prompts_it)
+    start = latest
+  writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, as_dict(cfg))
+  key = jax.random.key(cfg.seed)
+  policy = lambda st: nnx.merge(graphdef, st.params)
+
+  with mesh:
+    initial_acc = None
+    if eval_prompts:
+      initial_acc = accuracy(nnx.merge(graphdef, reference), tok, eval_prompts, metric, s.max_new_tokens)
+      writer.print(f"held-out {metric} accuracy of the initial policy: {initial_acc:.4f}")
+      writer.write(start, {"eval/accuracy": initial_acc})
+    final: dict[str, float] = {}
+    for step in range(start, cfg.train.steps):
+      t0 = time.perf_counter()
+      indices = [int(i) for i in next(prompts_it)]
+      prompts = [encode(source[i], index=i, where=source.where(i)) for i in indices]
+      ids, mask = _left_pad(prompts, tok.pad_id)
+      out = sampling.generate(policy(state), ids, mask, jax.random.fold_in(key, step), max_new_tokens=s.max_new_tokens,
+                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                              stop_token_ids=(tok.eos_id,), num_samples=s.num_samples, pad_id=tok.pad_id)
+      response, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+      t_gen = time.perf_counter() - t0
+
+      owners = [prompts[i // s.num_samples] for i in range(rows)]
+      texts = [tok.decode(response[i, :lengths[i]]) for i in range(rows)]
+      scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
+      groups = np.repeat(np.arange(g.prompts_per_step), s.num_samples)
+      if g.adv_estimator == "rloo":
+        advantage = np.asarray(adv_lib.rloo(jnp.asarray(scores), jnp.asarray(groups)))
+      else:
+        advantage = np.asarray(adv_lib.grpo(jnp.asarray(scores), jnp.asarray(groups),
+                                            norm_by_std=g.adv_estimator == "grpo"))
+      response_mask = (np.arange(s.max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
+      grouped = scores.reshape(g.prompts_per_step, s.num_samples)
+      informative = np.repeat(grouped.max(1) > grouped.min(1), s.num_samples)
+      if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
+        response_mask = response_mask * informative[:, None]
+      prompt_ids, prompt_mask = np.repeat(ids, s.num_samples, 0), np.repeat(mask, s.num_samples, 0)
+      segment = np.concatenate([prompt_mask, (np.arange(s.max_new_tokens)[None] < lengths[:, None])], 1)
+      batch = {"tokens": np.concatenate([prompt_ids, response], 1).astype(np.int32),
+               "segment_ids": segment.astype(np.int32),
+               "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
+               "response": response.astype(np.int32), "response_mask": response_mask,
+               "advantages": np.repeat(advantage[:, None], s.max_new_tokens, 1).astype(np.float32)}
+      device_batch = loop.global_batch(batch, batch_sharding)
+      device_batch["old_logp"] = logprobs(state.params, device_batch)
+      device_batch["ref_logp"] = logprobs(reference, device_batch)
+
+      t1 = time.perf_counter()
+      sums: dict[str, float] = {}
+      order_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
+      for epoch in range(g.ppo_epochs):
+        order = np.asarray(jax.random.permutation(jax.random.fold_in(order_key, epoch), rows))
+        for chunk in np.split(order, g.mini_batches):
+          mb = {k: v[jnp.asarray(chunk)] for k, v in device_batch.items()}
+          state, m = update(state, mb)
+          for k, v in jax.device_get(m).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+      n_updates = g.ppo_epochs * g.mini_batches
+      metrics = {k.replace("train/loss", "actor/loss"): v / n_updates for k, v in sums.items()}
+      metrics.update({"critic/score/mean": float(np.mean(scores)), "response_length/mean": float(np.mean(lengths)),
+                      "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
+                      "actor/informative_groups": float(np.mean(informative))})
+      final = metrics
+      if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
+        writer.write(step + 1, metrics)
+      writer.advance()
+      if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
+        ckpt.save(step + 1, state, prompts_it, as_dict(cfg))
+      if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts:
+        acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
+        writer.write(step + 1, {"eval/accuracy": acc})
+        writer.print(f"step {step + 1}: held-out {metric} accuracy {acc:.4f}  KL to reference "
+                     f"{metrics.get('actor/kl_loss', 0.0):.4f}")
+      if g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl:
+        ckpt.save(step + 1, state, prompts_it, as_dict(cfg))
+        writer.print(f"stopping at step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds "
+                     f"grpo.max_kl={g.max_kl}; checkpoint saved")
+        break
+    else:
+      if latest is None or latest < cfg.train.steps:
+        ckpt.save(cfg.train.steps, state, prompts_it, as_dict(cfg))
+    ckpt.close()
+    if eval_prompts:
+      acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
+      final["eval/accuracy"] = acc
+      final["eval/accuracy_initial"] = initial_acc
+      writer.write(cfg.train.steps, {"eval/accuracy": acc})
+      writer.print(f"held-out {metric} accuracy: {initial_acc:.4f} -> {acc:.4f} ({(acc - initial_acc) * 100:+.1f} "
+                   f"points); KL to reference {final.get('actor/kl_loss', 0.0):.4f}")
+    if cfg.checkpoint.export_hf and jax.process_index() == 0:
+      models.save_pretrained(policy(state), os.path.join(cfg.run_dir, "hf"), tokenizer=tok)
+  writer.close()
+  return final

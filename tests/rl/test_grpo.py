@@ -1,0 +1,52 @@
+"""Online GRPO end to end on the tiny config, its metrics, checkpoint resume, and bad configs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jalign.config import ConfigError
+from tests.configs_util import ROOT, run_config
+
+
+def _run(run_dir, *extra):
+  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={run_dir}",
+         "--config.log.progress=False", *extra]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_tiny_grpo_runs_and_reports(tmp_path):
+  out = _run(tmp_path / "r")
+  assert "held-out gsm8k accuracy" in out
+  rows = [json.loads(l) for l in open(tmp_path / "r" / "metrics.jsonl")]
+  steps = [r for r in rows if "actor/pg_loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3]
+  for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss",
+              "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update"):
+    assert key in steps[-1], key
+  assert steps[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # first step: the policy is the reference
+  assert steps[-1]["actor/kl_loss"] > 0
+  assert os.path.exists(tmp_path / "r" / "hf" / "model.safetensors")
+  # Rerun with more steps: resumes from the step-3 checkpoint instead of starting over.
+  _run(tmp_path / "r", "--config.train.steps=4")
+  rows = [json.loads(l) for l in open(tmp_path / "r" / "metrics.jsonl")]
+  assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(sampling__num_samples=1), r"config.sampling.num_samples=1: grpo compares completions of the same prompt"),
+    (dict(grpo__mini_batches=3), r"config.grpo.mini_batches=3 does not divide the 16 completions per step"),
+    (dict(grpo__clip_high=0.1), r"config.grpo.clip_high=0.1 must be >= clip_low=0.2"),
+    (dict(grpo__clip_c=0.5), r"config.grpo.clip_c=0.5: the dual-clip bound must be > 1"),
+    (dict(sampling__temperature=0.0), r"GRPO needs sampled"),
+    (dict(grpo__adv_estimator="ppo"), r"config.grpo.adv_estimator: 'ppo' is not accepted; accepted: 'grpo', "
+                                      r"'drgrpo', 'rloo'"),
+    (dict(grpo__prompts_per_step=3, grpo__mini_batches=1), r"12 completions per mini-batch do not split over "
+                                                           r"data-parallel size \(data x fsdp = 8\)"),
+])
+def test_bad_grpo_configs(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    run_config("grpo", **overrides)
