@@ -33,9 +33,12 @@ def test_shipped_policy_loads_and_solves_some_but_not_all():
 
 @pytest.mark.slow
 def test_sft_config_reproduces_the_shipped_policy(tmp_path):
+  # As a user runs it: one CPU device (the test session's 8 fake devices would change the arithmetic's order).
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py",
                         f"--config.run_dir={tmp_path}", "--config.log.progress=False",
-                        "--config.log.tensorboard=False"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                        "--config.log.tensorboard=False"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1800)
   assert out.returncode == 0, out.stderr[-3000:]
   recorded = json.load(open(os.path.join(SHIPPED, "..", "tiny_policy.json")))
   final = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if "eval/exact_match" in l][-1]
