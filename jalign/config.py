@@ -284,12 +284,6 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError(f"config.train.batch_size={t.batch_size} is not divisible by data-parallel size "
                       f"(data x fsdp = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
                       f"{dp * t.micro_batches}")
-  if cfg.task == "grpo":
-    mb_rows = cfg.grpo.prompts_per_step * cfg.sampling.num_samples // max(cfg.grpo.mini_batches, 1)
-    if mb_rows % dp:
-      raise ConfigError(f"config.grpo: {mb_rows} completions per mini-batch do not split over data-parallel size "
-                        f"(data x fsdp = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
-                        "grpo.mini_batches or mesh.shape")
   if cfg.task == "sft" and d.packing and d.max_length > t.seq_len:
     raise ConfigError(f"config.data.max_length={d.max_length} exceeds config.train.seq_len={t.seq_len}: a packed "
                       "example must fit one row")
@@ -301,6 +295,11 @@ def validate(values, num_devices: int) -> RunConfig:
     _validate_rollout(cfg)
   if cfg.task == "grpo":
     _validate_grpo(cfg)
+    mb_rows = cfg.grpo.prompts_per_step * cfg.sampling.num_samples // cfg.grpo.mini_batches
+    if mb_rows % dp:
+      raise ConfigError(f"config.grpo: {mb_rows} completions per mini-batch do not split over data-parallel size "
+                        f"(data x fsdp = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
+                        "grpo.mini_batches or mesh.shape")
   if not cfg.model.path and cfg.model.arch is None:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):

@@ -149,7 +149,7 @@ def run(cfg: RunConfig) -> dict:
       for epoch in range(g.ppo_epochs):
         order = np.asarray(jax.random.permutation(jax.random.fold_in(order_key, epoch), rows))
         for chunk in np.split(order, g.mini_batches):
-          mb = {k: v[jnp.asarray(chunk)] for k, v in device_batch.items()}
+          mb = jax.device_put({k: v[jnp.asarray(chunk)] for k, v in device_batch.items()}, batch_sharding)
           state, m = update(state, mb)
           for k, v in jax.device_get(m).items():
             sums[k] = sums.get(k, 0.0) + float(v)

@@ -27,8 +27,9 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
   for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss",
               "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update"):
     assert key in steps[-1], key
-  assert steps[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # first step: the policy is the reference
-  assert steps[-1]["actor/kl_loss"] > 0
+  # Two mini-batches per step: the second is scored after one update, so the policy has left the reference.
+  assert all(r["actor/kl_loss"] > 0 and r["actor/entropy"] > 0 for r in steps)
+  assert all(0 <= r["critic/score/mean"] <= 1 for r in steps)
   assert os.path.exists(tmp_path / "r" / "hf" / "model.safetensors")
   # Rerun with more steps: resumes from the step-3 checkpoint instead of starting over.
   _run(tmp_path / "r", "--config.train.steps=4")
