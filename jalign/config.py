@@ -130,6 +130,7 @@ class RolloutSection:
 @dataclasses.dataclass(frozen=True)
 class GrpoSection:
   prompts: str = ""                    # training prompts (same specs as data.train)
+  buffer: str = ""                     # offline mode: a replay buffer directory from the rollout task
   prompts_per_step: int = 16           # x sampling.num_samples completions per step
   mini_batches: int = 1                # optimizer updates per epoch over the step's completions
   ppo_epochs: int = 1
@@ -328,8 +329,9 @@ def _validate_rollout(cfg: RunConfig) -> None:
 
 def _validate_grpo(cfg: RunConfig) -> None:
   g, s = cfg.grpo, cfg.sampling
-  if not g.prompts:
-    raise ConfigError("config.grpo.prompts: empty; give a prompt file/glob, tfds:... or synthetic:TASK:SPLIT")
+  if not g.prompts and not g.buffer:
+    raise ConfigError("config.grpo.prompts: empty; give a prompt file/glob, tfds:... or synthetic:TASK:SPLIT "
+                      "(or grpo.buffer for offline training)")
   if s.num_samples < 2 and g.adv_estimator in ("grpo", "rloo"):
     raise ConfigError(f"config.sampling.num_samples={s.num_samples}: {g.adv_estimator} compares completions of "
                       "the same prompt and needs at least 2")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import zlib
 
 import numpy as np
 
@@ -25,7 +26,9 @@ SYSTEM = None  # the template adds none; keeps sequences short
 
 
 def _is_test(a: int, b: int, op: str) -> bool:
-  return (a * 7 + b * 13 + OPS.index(op)) % 10 == 0  # a fixed tenth of all (a, b, op) triples
+  """A fixed tenth of all (a, b, op) triples, chosen by CRC32 so that the choice is unrelated to the digits (a
+  linear rule such as (7a + 13b) % 10 would hold out whole ones-digit pairs, which no model could then learn)."""
+  return zlib.crc32(f"{a}{op}{b}".encode()) % 10 == 0
 
 
 def _answer(a: int, b: int, op: str) -> int:

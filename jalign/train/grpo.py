@@ -21,7 +21,8 @@ from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib
 from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
-from jalign.rl.rollout import encode_prompt
+from jalign.rl import buffer as buffer_lib
+from jalign.rl.rollout import Prompt, encode_prompt
 from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter
@@ -41,6 +42,44 @@ def _left_pad(prompts, pad_id: int):
     ids[row, width - len(p.ids):] = p.ids
     mask[row, width - len(p.ids):] = 1
   return ids, mask
+
+
+class OfflineBuffer:
+  """Groups of a replay buffer written by the rollout task, served as GRPO steps (offline mode)."""
+
+  def __init__(self, directory: str, num_samples: int, max_new: int):
+    records = buffer_lib.read_all(directory)
+    groups: dict[int, list[dict]] = {}
+    for r in records:
+      groups.setdefault(int(r["group_id"]), []).append(r)
+    self.groups = [sorted(v, key=lambda r: r["sample"]) for _, v in sorted(groups.items())]
+    self.max_new, self.directory = max_new, directory
+    for members in self.groups:
+      if len(members) != num_samples:
+        raise ValueError(f"{directory}: group {members[0]['group_id']} has {len(members)} completions, "
+                         f"sampling.num_samples is {num_samples} (filtered buffers need a matching group size)")
+      longest = max(len(m["response_ids"]) for m in members)
+      if longest > max_new:
+        raise ValueError(f"{directory}: group {members[0]['group_id']} has a {longest}-token response, longer than "
+                         f"sampling.max_new_tokens={max_new}")
+
+  def __len__(self) -> int:
+    return len(self.groups)
+
+  def batch(self, indices, pad_id: int):
+    members = [m for i in indices for m in self.groups[i]]
+    prompts = [Prompt(int(self.groups[i][0]["prompt_index"]), list(self.groups[i][0]["prompt_ids"]),
+                      self.groups[i][0]["prompt"], self.groups[i][0]["ground_truth"],
+                      f"{self.directory}:group {self.groups[i][0]['group_id']}") for i in indices]
+    n = len(members)
+    response = np.full((n, self.max_new), pad_id, np.int32)
+    behaviour = np.zeros((n, self.max_new), np.float32)
+    lengths = np.zeros(n, np.int32)
+    for row, m in enumerate(members):
+      k = len(m["response_ids"])
+      response[row, :k], behaviour[row, :k], lengths[row] = m["response_ids"], m["behaviour_logprobs"], k
+    scores = np.asarray([m["reward"] for m in members], np.float32)
+    return prompts, response, lengths, scores, behaviour
 
 
 def accuracy(lm, tok, prompts, metric: str, max_new: int, batch: int = 128) -> float:
@@ -65,8 +104,9 @@ def run(cfg: RunConfig) -> dict:
   rewards = reward_spec(cfg)
   metric = next((n for n, _ in rewards.weights if n in NEEDS_GROUND_TRUTH), None)
   max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
-  source = open_source(g.prompts)
   encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
+  offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
+  source = open_source(g.prompts) if offline is None else offline
   eval_prompts = []
   if g.eval_prompts and metric:
     eval_source = open_source(g.eval_prompts)
@@ -110,17 +150,23 @@ def run(cfg: RunConfig) -> dict:
     for step in range(start, cfg.train.steps):
       t0 = time.perf_counter()
       indices = [int(i) for i in next(prompts_it)]
-      prompts = [encode(source[i], index=i, where=source.where(i)) for i in indices]
-      ids, mask = _left_pad(prompts, tok.pad_id)
-      out = sampling.generate(policy(state), ids, mask, jax.random.fold_in(key, step), max_new_tokens=s.max_new_tokens,
-                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                              stop_token_ids=(tok.eos_id,), num_samples=s.num_samples, pad_id=tok.pad_id)
-      response, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+      behaviour = None
+      if offline is None:
+        prompts = [encode(source[i], index=i, where=source.where(i)) for i in indices]
+        ids, mask = _left_pad(prompts, tok.pad_id)
+        out = sampling.generate(policy(state), ids, mask, jax.random.fold_in(key, step),
+                                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                                top_p=s.top_p, min_p=s.min_p, stop_token_ids=(tok.eos_id,),
+                                num_samples=s.num_samples, pad_id=tok.pad_id)
+        response, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        owners = [prompts[i // s.num_samples] for i in range(rows)]
+        texts = [tok.decode(response[i, :lengths[i]]) for i in range(rows)]
+        scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
+      else:
+        prompts, response, lengths, scores, behaviour = offline.batch(indices, tok.pad_id)
+        ids, mask = _left_pad(prompts, tok.pad_id)
       t_gen = time.perf_counter() - t0
 
-      owners = [prompts[i // s.num_samples] for i in range(rows)]
-      texts = [tok.decode(response[i, :lengths[i]]) for i in range(rows)]
-      scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
       groups = np.repeat(np.arange(g.prompts_per_step), s.num_samples)
       if g.adv_estimator == "rloo":
         advantage = np.asarray(adv_lib.rloo(jnp.asarray(scores), jnp.asarray(groups)))
@@ -139,8 +185,11 @@ def run(cfg: RunConfig) -> dict:
                "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
                "response": response.astype(np.int32), "response_mask": response_mask,
                "advantages": np.repeat(advantage[:, None], s.max_new_tokens, 1).astype(np.float32)}
+      if behaviour is not None:  # offline: importance ratios against the stored behaviour log-probs
+        batch["old_logp"] = behaviour
       device_batch = loop.global_batch(batch, batch_sharding)
-      device_batch["old_logp"] = logprobs(state.params, device_batch)
+      if behaviour is None:
+        device_batch["old_logp"] = logprobs(state.params, device_batch)
       device_batch["ref_logp"] = logprobs(reference, device_batch)
 
       t1 = time.perf_counter()
