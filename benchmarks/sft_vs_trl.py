@@ -77,7 +77,6 @@ def trl_tokens_per_s(records, batch_size: int, max_length: int, steps: int, warm
                      logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True,
                      dataloader_num_workers=0, dataset_num_proc=None, seed=0)
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
-    lengths = iter([])
 
     real = trainer.compute_loss
 
@@ -165,7 +164,8 @@ def minimal_step(path: str):
 
   def rope(x, pos):
     ang = pos[..., None] * inv
-    cos, sin = jnp.cos(jnp.concatenate([ang, ang], -1))[:, :, None], jnp.sin(jnp.concatenate([ang, ang], -1))[:, :, None]
+    full = jnp.concatenate([ang, ang], -1)
+    cos, sin = jnp.cos(full)[:, :, None], jnp.sin(full)[:, :, None]
     x1, x2 = jnp.split(x, 2, -1)
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 

@@ -32,7 +32,8 @@ def get_config(arg=None):
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0,
                                             length_target=0, length_weight=0.0))
   c.grpo = ml_collections.ConfigDict(dict(
-      prompts="synthetic:arith:train", buffer="", prompts_per_step=32, mini_batches=2, ppo_epochs=1, adv_estimator="grpo",
+      prompts="synthetic:arith:train", buffer="", prompts_per_step=32, mini_batches=2, ppo_epochs=1,
+      adv_estimator="grpo",
       clip_low=0.2, clip_high=0.28, loss_mode="vanilla", agg="token-mean", kl_coef=0.001, kl_kind="k3",
       entropy_coef=0.0, dynamic_sampling=True, eval_prompts="synthetic:arith:test", eval_examples=500, max_kl=0.0))
   c.grpo.clip_c = ml_collections.config_dict.placeholder(float)

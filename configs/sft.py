@@ -8,7 +8,6 @@ import os
 import ml_collections
 
 import jalign
-from jalign.models import ModelConfig
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
 

@@ -10,7 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def config_dict(config_name: str, arg: str | None = "tiny", **overrides):
-  spec = importlib.util.spec_from_file_location(f"configs_{config_name}", os.path.join(ROOT, "configs", f"{config_name}.py"))
+  path = os.path.join(ROOT, "configs", f"{config_name}.py")
+  spec = importlib.util.spec_from_file_location(f"configs_{config_name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config(arg).to_dict()  # a plain dict, so tests may set wrong types and unknown keys

@@ -14,7 +14,6 @@ SHIPPED = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
 
 
 def test_shipped_policy_loads_and_solves_some_but_not_all():
-  import jax
   from flax import nnx
 
   from jalign import models, tokenizer

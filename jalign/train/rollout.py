@@ -10,7 +10,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from jalign import parallel
 from jalign.config import RunConfig, reward_spec

@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest

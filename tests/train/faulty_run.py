@@ -1,8 +1,8 @@
 """`python -m jalign.run` with a SIGKILL injected at a chosen point, for crash/resume tests.
 
 Environment: KILL_AFTER_SAVE=k (once checkpoint k is complete), KILL_DURING_SAVE=k (right after checkpoint k is
-started, before it is finalised), KILL_AT_BATCH=n (after the n-th training batch is dispatched), KILL_AT_PART=n (when a rollout is about to write
-buffer part n).
+started, before it is finalised), KILL_AT_BATCH=n (after the n-th training batch is dispatched), KILL_AT_PART=n
+(when a rollout is about to write buffer part n).
 """
 import os
 import signal
