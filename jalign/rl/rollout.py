@@ -72,15 +72,21 @@ class SamplingSpec:
   num_samples: int = 4
 
 
-def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, rewards: RewardSpec,
-                  policy_id: str) -> tuple[list[dict], dict[str, float]]:
-  """Records (one per completion, groups consecutive) and batch statistics."""
-  width = max(len(p.ids) for p in prompts)
-  ids = np.full((len(prompts), width), tok.pad_id, np.int32)
+def left_pad(prompts: list[Prompt], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Prompt ids and mask [B, P], left-padded to the sampler's power-of-two bucket."""
+  width = sampling.prompt_bucket(max(len(p.ids) for p in prompts))
+  ids = np.full((len(prompts), width), pad_id, np.int32)
   mask = np.zeros((len(prompts), width), np.int32)
   for row, p in enumerate(prompts):
     ids[row, width - len(p.ids):] = p.ids
     mask[row, width - len(p.ids):] = 1
+  return ids, mask
+
+
+def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, rewards: RewardSpec,
+                  policy_id: str) -> tuple[list[dict], dict[str, float]]:
+  """Records (one per completion, groups consecutive) and batch statistics."""
+  ids, mask = left_pad(prompts, tok.pad_id)
   stop = tuple(t for t in (tok.eos_id,) if t is not None)
   out = sampling.generate(lm, ids, mask, rng, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, stop_token_ids=stop,

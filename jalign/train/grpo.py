@@ -22,7 +22,7 @@ from jalign.losses import advantages as adv_lib
 from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.rl import buffer as buffer_lib
-from jalign.rl.rollout import Prompt, encode_prompt
+from jalign.rl.rollout import Prompt, encode_prompt, left_pad
 from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter
@@ -32,16 +32,6 @@ from jalign.train.step import make_step
 def _prompt_iterator(cfg: RunConfig, n: int):
   ds = grain.MapDataset.range(n).seed(cfg.seed).shuffle().repeat(None)
   return iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())
-
-
-def _left_pad(prompts, pad_id: int):
-  width = sampling.prompt_bucket(max(len(p.ids) for p in prompts))
-  ids = np.full((len(prompts), width), pad_id, np.int32)
-  mask = np.zeros((len(prompts), width), np.int32)
-  for row, p in enumerate(prompts):
-    ids[row, width - len(p.ids):] = p.ids
-    mask[row, width - len(p.ids):] = 1
-  return ids, mask
 
 
 class OfflineBuffer:
@@ -87,7 +77,7 @@ def accuracy(lm, tok, prompts, metric: str, max_new: int, batch: int = 128) -> f
   scores = []
   for start in range(0, len(prompts), batch):
     chunk = prompts[start:start + batch]
-    ids, mask = _left_pad(chunk, tok.pad_id)
+    ids, mask = left_pad(chunk, tok.pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=max_new, temperature=0.0,
                             stop_token_ids=(tok.eos_id,), pad_id=tok.pad_id)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
@@ -153,7 +143,7 @@ def run(cfg: RunConfig) -> dict:
       behaviour = None
       if offline is None:
         prompts = [encode(source[i], index=i, where=source.where(i)) for i in indices]
-        ids, mask = _left_pad(prompts, tok.pad_id)
+        ids, mask = left_pad(prompts, tok.pad_id)
         out = sampling.generate(policy(state), ids, mask, jax.random.fold_in(key, step),
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                                 top_p=s.top_p, min_p=s.min_p, stop_token_ids=(tok.eos_id,),
@@ -164,7 +154,7 @@ def run(cfg: RunConfig) -> dict:
         scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
       else:
         prompts, response, lengths, scores, behaviour = offline.batch(indices, tok.pad_id)
-        ids, mask = _left_pad(prompts, tok.pad_id)
+        ids, mask = left_pad(prompts, tok.pad_id)
       t_gen = time.perf_counter() - t0
 
       groups = np.repeat(np.arange(g.prompts_per_step), s.num_samples)
