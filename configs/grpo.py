@@ -28,7 +28,7 @@ def get_config(arg=None):
                                            weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, clip_norm=1.0))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
   c.sampling = ml_collections.ConfigDict(dict(max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                                              num_samples=8, max_prompt_length=48))
+                                              num_samples=8, max_prompt_length=48, layout="training"))
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0,
                                             length_target=0, length_weight=0.0))
   c.grpo = ml_collections.ConfigDict(dict(

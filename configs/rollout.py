@@ -25,7 +25,7 @@ def get_config(arg=None):
                                            compute_dtype="", scan_layers=True, remat="none"))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
   c.sampling = ml_collections.ConfigDict(dict(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                                              num_samples=8, max_prompt_length=48))
+                                              num_samples=8, max_prompt_length=48, layout="training"))
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0,
                                             length_target=0, length_weight=0.0))
   c.rollout = ml_collections.ConfigDict(dict(prompts="synthetic:arith:train:2048", output="", format="parquet",

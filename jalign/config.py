@@ -106,6 +106,7 @@ class SamplingSection:
   min_p: float = 0.0
   num_samples: int = 4                 # completions per prompt (a GRPO group)
   max_prompt_length: int = 64
+  layout: Literal["training", "no_fsdp"] = "training"   # weight layout while generating (see models.without_fsdp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +346,12 @@ def _validate_grpo(cfg: RunConfig) -> None:
     raise ConfigError(f"config.grpo.clip_c={g.clip_c}: the dual-clip bound must be > 1")
   if s.temperature == 0:
     raise ConfigError("config.sampling.temperature=0: GRPO needs sampled (not greedy) completions")
+
+
+def sampling_rules(cfg: RunConfig):
+  """Logical-axis rules for generation: None keeps the training layout."""
+  from jalign.models.sharding import without_fsdp
+  return without_fsdp(cfg.mesh.rules) if cfg.sampling.layout == "no_fsdp" else None
 
 
 def reward_spec(cfg: RunConfig):

@@ -5,8 +5,8 @@ from jalign.models.heads import ScalarHead
 from jalign.models.hf import from_pretrained, save_pretrained
 from jalign.models.safetensors_io import CheckpointError
 from jalign.models.sharding import (DEFAULT_RULES, logical_axes, logical_to_spec, make_mesh, named_sharding,
-                                    state_shardings)
+                                    state_shardings, without_fsdp)
 
 __all__ = ["CheckpointError", "ConfigError", "DEFAULT_RULES", "Decoder", "KVCache", "ModelConfig", "RopeConfig",
            "ScalarHead", "create", "from_hf_config", "from_pretrained", "logical_axes", "logical_to_spec", "make_mesh",
-           "named_sharding", "save_pretrained", "state_shardings", "to_hf_config"]
+           "named_sharding", "save_pretrained", "state_shardings", "to_hf_config", "without_fsdp"]

@@ -30,6 +30,17 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def without_fsdp(rules=DEFAULT_RULES):
+  """The sampling layout (tunix / Levanter style): the same rules with the 'fsdp' axis dropped, so weights are
+  replicated across FSDP shards (still split over 'tensor') and a decode step all-gathers nothing."""
+  out = []
+  for name, target in rules:
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    kept = tuple(a for a in axes if a != "fsdp")
+    out.append((name, kept[0] if len(kept) == 1 else (kept or None)))
+  return tuple(out)
+
+
 def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
   """A ('data', 'fsdp', 'tensor') mesh with Auto axes; one entry may be -1 (the remaining devices)."""
   devices = np.asarray(devices if devices is not None else jax.devices())

@@ -84,13 +84,13 @@ def left_pad(prompts: list[Prompt], pad_id: int) -> tuple[np.ndarray, np.ndarray
 
 
 def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, rewards: RewardSpec,
-                  policy_id: str) -> tuple[list[dict], dict[str, float]]:
-  """Records (one per completion, groups consecutive) and batch statistics."""
+                  policy_id: str, *, mesh=None, rules=None) -> tuple[list[dict], dict[str, float]]:
+  """Records (one per completion, groups consecutive) and batch statistics. `mesh`/`rules`: sampling layout."""
   ids, mask = left_pad(prompts, tok.pad_id)
   stop = tuple(t for t in (tok.eos_id,) if t is not None)
   out = sampling.generate(lm, ids, mask, rng, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, stop_token_ids=stop,
-                          num_samples=spec.num_samples, pad_id=tok.pad_id)
+                          num_samples=spec.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=rules)
   tokens, logprobs, lengths, finish = (np.asarray(jax.device_get(x)) for x in
                                        (out.tokens, out.logprobs, out.lengths, out.finish_reason))
   n = spec.num_samples

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jalign.models.decoder import Decoder, KVCache
+from jalign.models.sharding import state_shardings
 from jalign.sampling.filters import sample_logits
 
 FINISH_LENGTH, FINISH_STOP = 0, 1
@@ -32,9 +33,12 @@ def prompt_bucket(length: int, minimum: int = 16) -> int:
 
 def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, stop_token_ids=(), num_samples: int = 1,
-             pad_id: int = 0, cache_dtype=None, bucket_min: int = 16) -> GenerateOutput:
+             pad_id: int = 0, cache_dtype=None, bucket_min: int = 16, mesh=None, rules=None) -> GenerateOutput:
   """Samples continuations of left-padded prompts [B, P] (mask 1 = token). Each prompt is repeated `num_samples`
-  times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows."""
+  times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows.
+
+  With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
+  (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout."""
   prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
   if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
     raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]")
@@ -53,6 +57,8 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   if num_samples > 1:
     ids, mask = np.repeat(ids, num_samples, axis=0), np.repeat(mask, num_samples, axis=0)
   graphdef, params = nnx.split(lm)
+  if mesh is not None and rules is not None:
+    params = jax.device_put(params, state_shardings(lm, mesh, rules))
   run = _compiled(graphdef, max_new_tokens, float(temperature), int(top_k), float(top_p), float(min_p),
                   tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype)
   return run(params, jnp.asarray(ids), jnp.asarray(mask), rng)

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import models, parallel, sampling
-from jalign.config import RunConfig, as_dict, reward_spec
+from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib
 from jalign.objectives import grpo as objective
@@ -92,6 +92,7 @@ def run(cfg: RunConfig) -> dict:
   setup = loop.setup(cfg, optimizer)
   mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
   rewards = reward_spec(cfg)
+  gen_rules = sampling_rules(cfg)
   metric = next((n for n, _ in rewards.weights if n in NEEDS_GROUND_TRUTH), None)
   max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
   encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
@@ -147,7 +148,7 @@ def run(cfg: RunConfig) -> dict:
         out = sampling.generate(policy(state), ids, mask, jax.random.fold_in(key, step),
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                                 top_p=s.top_p, min_p=s.min_p, stop_token_ids=(tok.eos_id,),
-                                num_samples=s.num_samples, pad_id=tok.pad_id)
+                                num_samples=s.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=gen_rules)
         response, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         owners = [prompts[i // s.num_samples] for i in range(rows)]
         texts = [tok.decode(response[i, :lengths[i]]) for i in range(rows)]

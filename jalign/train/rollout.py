@@ -12,7 +12,7 @@ import time
 import jax
 
 from jalign import parallel
-from jalign.config import RunConfig, reward_spec
+from jalign.config import RunConfig, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.rl.buffer import BufferWriter
 from jalign.rl.rollout import PromptError, SamplingSpec, encode_prompt, rollout_batch
@@ -51,7 +51,8 @@ def run(cfg: RunConfig) -> dict:
       prompts = []
       for i in range(b * per_batch, min((b + 1) * per_batch, total)):
         prompts.append(encode_prompt(source[i], tok, index=i, where=source.where(i), max_length=max_prompt))
-      records, stats = rollout_batch(lm, tok, prompts, jax.random.fold_in(key, b), spec, rewards, policy_id)
+      records, stats = rollout_batch(lm, tok, prompts, jax.random.fold_in(key, b), spec, rewards, policy_id,
+                                     mesh=mesh, rules=sampling_rules(cfg))
       rewards_sum += stats["rollout/reward_mean"] * len(records)
       rewards_n += len(records)
       new_tokens += stats["rollout/new_tokens"]

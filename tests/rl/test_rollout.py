@@ -57,7 +57,8 @@ def test_verl_parquet_layout_and_arrayrecord_output(tmp_path):
            "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
            "extra_info": {"index": i}} for i in range(6)]
   pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-  _run(tmp_path / "r", f"--config.rollout.prompts={tmp_path}/train.parquet", "--config.rollout.format=arrayrecord")
+  _run(tmp_path / "r", f"--config.rollout.prompts={tmp_path}/train.parquet", "--config.rollout.format=arrayrecord",
+       "--config.sampling.layout=no_fsdp")
   records = buffer.read_all(str(tmp_path / "r" / "buffer"))
   assert len(records) == 24 and {r["ground_truth"] for r in records} == {str(i + 1) for i in range(6)}
   assert records[0]["prompt"].endswith("What is 0 + 1?<|im_end|>\n<|im_start|>assistant\n")

@@ -130,3 +130,22 @@ def test_bad_prompts(tmp_path):
     sampling.generate(lm, ids, mask[:, ::-1], jax.random.key(0), max_new_tokens=4)
   with pytest.raises(ValueError, match=r"exceeds the model's context \(128 positions\)"):
     sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=200)
+
+
+def test_sampling_layout_without_fsdp(tmp_path):
+  """Weights re-laid out for sampling (replicated over fsdp, split over tensor) give the same generations."""
+  model = ref.build("llama")
+  path = ref.save(model, tmp_path / "m")
+  ids, mask = _prompts(model.config.vocab_size)
+  kw = dict(max_new_tokens=MAX_NEW, temperature=0.0)
+  one = sampling.generate(models.from_pretrained(path), ids, mask, jax.random.key(5), **kw)
+  mesh = models.make_mesh((1, 4, 2))
+  rules = models.without_fsdp(models.DEFAULT_RULES)
+  assert dict(rules)["embed"] is None and dict(rules)["batch"] == "data" and dict(rules)["heads"] == "tensor"
+  lm = models.from_pretrained(path, mesh=mesh)
+  with mesh:
+    out = sampling.generate(lm, ids, mask, jax.random.key(5), mesh=mesh, rules=rules, **kw)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+  assert lm.layers.q[...].sharding.spec[1] == "fsdp"  # the training copy keeps its layout
+  sampled = models.state_shardings(lm, mesh, rules)["layers"]["q"]
+  assert sampled.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
