@@ -40,7 +40,7 @@ def get_config(arg=None):
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=2, resume=True, export_hf=True, async_save=True))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
-  c.logprobs = ml_collections.ConfigDict(dict(impl="xla"))
+  c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))
   if arg == "tiny":
     c.run_dir = "runs/grpo_tiny"
     c.train.update(steps=3, log_every=1, eval_every=0)

@@ -94,7 +94,8 @@ class LogSection:
 
 @dataclasses.dataclass(frozen=True)
 class LogprobSection:
-  impl: Literal["xla"] = "xla"
+  impl: Literal["xla", "chunked", "auto"] = "auto"   # auto: chunked once the vocabulary exceeds one chunk
+  chunk: int = 4096                                 # vocabulary columns per chunk
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ def run_sft(cfg: RunConfig) -> dict:
         continue
     return {"eval/exact_match": sft.exact_match(setup.graphdef, params, examples)}
 
-  return loop.run(cfg, make_loss_fn=lambda g: sft.make_loss_fn(g, impl=cfg.logprobs.impl), encode=sft_data.encode,
+  return loop.run(cfg, make_loss_fn=lambda g: sft.make_loss_fn(g, impl=cfg.logprobs.impl, chunk=cfg.logprobs.chunk),
+                  encode=sft_data.encode,
                   evaluate=evaluate)
 
 

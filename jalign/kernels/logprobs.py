@@ -1,17 +1,21 @@
 """token_logprobs: the one place the LM head meets the loss.
 
 `impl="xla"` is the plain reference: it materialises the [T, V] logits (fine for small vocabularies and tests).
+`impl="chunked"` walks the vocabulary in chunks with an online logsumexp and a custom backward, so neither pass holds
+more than [T, chunk] logits. `auto` picks chunked once the vocabulary exceeds one chunk.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla",)
+from jalign.kernels.chunked import token_logprobs_chunked
+
+IMPLS = ("xla", "chunked", "auto")
 
 
 def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax.Array, *,
-                   temperature: float = 1.0, softcap: float | None = None, impl: str = "xla"):
+                   temperature: float = 1.0, softcap: float | None = None, impl: str = "xla", chunk: int = 4096):
   """(logprobs_T, entropy_T, logsumexp_T) of `targets_T` under softmax(cap(hidden @ unembed) / temperature).
 
   Leading dims of `hidden`/`targets` beyond T are allowed ([B, T, D] -> [B, T]). Accumulates in fp32."""
@@ -19,6 +23,12 @@ def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax
     raise ValueError(f"token_logprobs impl {impl!r}; available: {', '.join(IMPLS)}")
   lead = targets_T.shape
   hidden = hidden_TxD.reshape(-1, hidden_TxD.shape[-1])  # flat 2-D matmuls: much faster backward on CPU
+  if impl == "auto":
+    impl = "chunked" if unembed_DxV.shape[1] > chunk else "xla"
+  if impl == "chunked":
+    out = token_logprobs_chunked(hidden, unembed_DxV, targets_T.reshape(-1), temperature=temperature,
+                                 softcap=softcap, chunk=chunk)
+    return tuple(x.reshape(lead) for x in out)
   logits = jnp.dot(hidden, unembed_DxV.astype(hidden.dtype), preferred_element_type=jnp.float32)
   if softcap is not None:  # Gemma 2 final-logit soft-capping
     logits = jnp.tanh(logits / softcap) * softcap

@@ -29,20 +29,21 @@ class GrpoLossConfig:
   global_rows: int = 0               # rows per optimizer step (for seq-mean-token-sum-norm)
 
 
-def response_logprobs(graphdef, params, batch: dict, temperature: float, impl: str = "xla"):
+def response_logprobs(graphdef, params, batch: dict, temperature: float, impl: str = "auto", chunk: int = 4096):
   """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`."""
   lm = nnx.merge(graphdef, params)
   hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
   r = batch["response"].shape[1]
   p = batch["tokens"].shape[1] - r
   logp, entropy, _ = kernels.token_logprobs(hidden[:, p - 1:p + r - 1], lm.unembed(), batch["response"],
-                                            temperature=temperature, softcap=lm.cfg.final_softcap, impl=impl)
+                                            temperature=temperature, softcap=lm.cfg.final_softcap, impl=impl,
+                                            chunk=chunk)
   return logp, entropy
 
 
-def make_loss_fn(graphdef, cfg: GrpoLossConfig, impl: str = "xla"):
+def make_loss_fn(graphdef, cfg: GrpoLossConfig, impl: str = "auto", chunk: int = 4096):
   def loss_fn(params, batch):
-    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, impl)
+    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, impl, chunk)
     mask = batch["response_mask"].astype(jnp.float32)
     pg, metrics = policy.policy_loss_matrix(logp, batch["old_logp"], batch["advantages"], mask,
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
