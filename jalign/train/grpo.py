@@ -198,6 +198,7 @@ def run(cfg: RunConfig) -> dict:
       metrics = {k.replace("train/loss", "actor/loss"): v / n_updates for k, v in sums.items()}
       metrics.update({"critic/score/mean": float(np.mean(scores)), "response_length/mean": float(np.mean(lengths)),
                       "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
+                      "timing_s/step": time.perf_counter() - t0,
                       "actor/informative_groups": float(np.mean(informative))})
       final = metrics
       if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:

@@ -25,7 +25,7 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
   steps = [r for r in rows if "actor/pg_loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3]
   for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss",
-              "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update"):
+              "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update", "timing_s/step"):
     assert key in steps[-1], key
   # Two mini-batches per step: the second is scored after one update, so the policy has left the reference.
   assert all(r["actor/kl_loss"] > 0 and r["actor/entropy"] > 0 for r in steps)

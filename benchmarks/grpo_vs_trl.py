@@ -1,0 +1,112 @@
+"""Seconds per GRPO step (generation + update): jalign vs TRL's GRPOTrainer (its own generate path) on CPU.
+
+    python benchmarks/grpo_vs_trl.py [--steps 4]
+
+Same HF Llama (hidden 256, 4 layers, vocab 4096, fp32, random weights), 8 prompts x 8 generations x up to 64 new
+tokens at temperature 1, one optimizer update per step, KL coefficient 0.001 to a frozen reference, a constant-zero
+reward on both sides (random weights produce no verifiable answers; the update still runs in full). Reported: median
+seconds per step after one warm-up step, and jalign's split into generation and update.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HIDDEN, LAYERS, VOCAB, HEADS = 256, 4, 4096, 4
+PROMPTS, GENERATIONS, NEW_TOKENS = 8, 8, 64
+
+
+def make_checkpoint(path: str) -> None:
+  import torch
+  import transformers
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
+                                 num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=512,
+                                 eos_token_id=1, pad_token_id=0, bos_token_id=2)
+  transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+  vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+  tk = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+  tk.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
+                                             bos_token="<bos>")
+  tok.save_pretrained(path)
+  with open(os.path.join(path, "prompts.jsonl"), "w") as f:
+    for i in range(64):
+      words = " ".join(f"w{3 + (i * 7 + j * 13) % (VOCAB - 3)}" for j in range(16 + i % 16))
+      f.write(json.dumps({"prompt": words, "answer": "0"}) + "\n")
+
+
+def trl_seconds(path: str, steps: int) -> list[float]:
+  import datasets
+  import transformers
+  from trl import GRPOConfig, GRPOTrainer
+
+  times = []
+
+  class Timer(transformers.TrainerCallback):
+    def on_step_begin(self, args, state, control, **kw):
+      self.t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+      times.append(time.perf_counter() - self.t)
+
+  def reward(completions, **kw):
+    return [0.0 for _ in completions]
+
+  rows = [json.loads(l) for l in open(os.path.join(path, "prompts.jsonl"))]
+  ds = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
+  model = transformers.AutoModelForCausalLM.from_pretrained(path)
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  with tempfile.TemporaryDirectory() as out:
+    args = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * GENERATIONS,
+                      num_generations=GENERATIONS, max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.001,
+                      learning_rate=1e-4, max_steps=steps, logging_steps=10_000, save_strategy="no", report_to=[],
+                      use_cpu=True, use_vllm=False, dataloader_num_workers=0, seed=0, num_iterations=1)
+    GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+                callbacks=[Timer()]).train()
+  return times
+
+
+def jalign_seconds(path: str, steps: int) -> list[dict]:
+  run_dir = tempfile.mkdtemp()
+  cmd = [sys.executable, "-m", "jalign.run", f"--config={os.path.dirname(__file__)}/../configs/grpo.py",
+         f"--config.model.path={path}", f"--config.grpo.prompts={path}/prompts.jsonl", "--config.grpo.eval_prompts=",
+         f"--config.grpo.prompts_per_step={PROMPTS}", f"--config.sampling.num_samples={GENERATIONS}",
+         f"--config.sampling.max_new_tokens={NEW_TOKENS}", "--config.sampling.max_prompt_length=64",
+         "--config.grpo.mini_batches=1", "--config.grpo.dynamic_sampling=False",
+         "--config.reward.weights=(('format',1.0),)",
+         f"--config.train.steps={steps}", "--config.train.log_every=1", f"--config.run_dir={run_dir}",
+         "--config.checkpoint.every=0", "--config.checkpoint.export_hf=False", "--config.log.progress=False",
+         "--config.log.tensorboard=False"]
+  subprocess.run(cmd, check=True, cwd=os.path.join(os.path.dirname(__file__), ".."))
+  return [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if "timing_s/gen" in l]
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--steps", type=int, default=4)
+  args = p.parse_args()
+  with tempfile.TemporaryDirectory() as path:
+    make_checkpoint(path)
+    rows = jalign_seconds(path, args.steps)[1:]
+    j_total = statistics.median(r["timing_s/step"] for r in rows)
+    j_gen = statistics.median(r["timing_s/gen"] for r in rows)
+    t = trl_seconds(path, args.steps)[1:]
+    t_total = statistics.median(t)
+  print(f"GRPO step, {PROMPTS} prompts x {GENERATIONS} generations x <= {NEW_TOKENS} new tokens, CPU:")
+  print(f"  jalign        {j_total:6.2f} s/step  (generation {j_gen:.2f} s)")
+  print(f"  TRL           {t_total:6.2f} s/step")
+  print(f"  ratio TRL/jalign = {t_total / j_total:.2f}x")
+
+
+if __name__ == "__main__":
+  main()
