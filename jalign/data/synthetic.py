@@ -1,9 +1,10 @@
-"""Built-in verifiable task: two-number arithmetic in words and digits, with its tokenizer and scorer.
+"""Built-in verifiable task: two-number arithmetic in words and digits, with its tokenizer.
 
-Prompts look like "What is 37 + 48?"; the assistant answers "#### 85" (the GSM8K answer convention, so the same
-reward functions read it). Half the problems have a one-digit second operand (easy), half two digits (hard, carries
-and borrows), so a tiny model trained briefly gets some but not all held-out prompts right. Operand triples are split
-deterministically between train and test: held-out accuracy measures generalisation, not recall.
+Prompts look like "What is 37 + 48?"; the assistant answers "#### 85" (the GSM8K answer convention, so the
+"gsm8k" reward of `jalign.rl.rewards` scores it). Half the problems have a one-digit second operand (easy), half two
+digits (hard, carries and borrows), so a tiny model trained briefly gets some but not all held-out prompts right.
+Operand triples are split deterministically between train and test: held-out accuracy measures generalisation, not
+recall.
 
     python -m jalign.data.synthetic --write-tokenizer DIR   # (re)build the shipped tokenizer
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import zlib
 
 import numpy as np
@@ -20,7 +20,6 @@ from jalign.data.sources import DataError, ListSource
 
 OPS = ("+", "-")
 MAX_OPERAND = 100
-ANSWER_RE = re.compile(r"####\s*(-?\d+)")
 SPLITS = {"train": 40_000, "test": 500}
 SYSTEM = None  # the template adds none; keeps sequences short
 
@@ -64,16 +63,6 @@ def source(spec: str):
   split = parts[1] if len(parts) > 1 else "train"
   n = int(parts[2]) if len(parts) > 2 else None
   return ListSource(records(split, n), name=f"synthetic:arith:{split}")
-
-
-def extract_answer(text: str) -> str | None:
-  m = ANSWER_RE.search(text)
-  return m.group(1) if m else None
-
-
-def score(completion: str, answer: str) -> float:
-  """1.0 when the completion's `#### N` equals the ground truth, else 0.0."""
-  return float(extract_answer(completion) == str(answer).strip())
 
 
 CHAT_TEMPLATE = (
