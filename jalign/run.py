@@ -14,27 +14,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Task config: configs/
 
 
 def run_sft(cfg: RunConfig) -> dict:
-  from jalign.data import sft as sft_data
-  from jalign.data.sources import DataError, open_source
-  from jalign.objectives import sft
-  from jalign.train import loop
-
-  def evaluate(setup, params) -> dict:
-    if not cfg.data.eval or not cfg.train.eval_examples:
-      return {}
-    source = open_source(cfg.data.eval)
-    examples = []
-    for i in range(min(len(source), cfg.train.eval_examples)):
-      try:
-        examples.append(sft_data.encode(source[i], setup.tok, max_length=cfg.data.max_length,
-                                        truncation=cfg.data.truncation))
-      except DataError:
-        continue
-    return {"eval/exact_match": sft.exact_match(setup.graphdef, params, examples)}
-
-  return loop.run(cfg, make_loss_fn=lambda g: sft.make_loss_fn(g, impl=cfg.logprobs.impl, chunk=cfg.logprobs.chunk),
-                  encode=sft_data.encode,
-                  evaluate=evaluate)
+  from jalign.train import sft
+  return sft.run(cfg)
 
 
 def run_rollout(cfg: RunConfig) -> dict:

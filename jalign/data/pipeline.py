@@ -85,8 +85,11 @@ class PipelineSpec:
 
 
 def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process_index: int = 0,
-          process_count: int = 1) -> tuple[grain.IterDataset, Counters]:
-  """IterDataset of batches {"tokens", "loss_mask", "segment_ids", "positions"}: int32 [batch_size, length]."""
+          process_count: int = 1, batch_fn: Callable[[list[dict]], dict] | None = None
+          ) -> tuple[grain.IterDataset, Counters]:
+  """IterDataset of batches {"tokens", "loss_mask", "segment_ids", "positions"}: int32 [batch_size, length].
+
+  `batch_fn` (examples -> batch) replaces packing / bucketing, e.g. for preference pairs."""
   if len(source) == 0:
     raise DataError(f"{getattr(source, 'path', 'data source')}: the dataset is empty")
   counters = Counters()
@@ -112,7 +115,9 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
       raise DataError(msg + " (set data.skip_bad_records=True to skip such records)") from None
 
   it = _DropNone(ds.map(load).to_iter_dataset(), counters)
-  if spec.packing:
+  if batch_fn is not None:
+    it = it.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=batch_fn)
+  elif spec.packing:
     features = {"tokens": spec.seq_len, "loss_mask": spec.seq_len}
     it = grain.experimental.FirstFitPackIterDataset(
         it, length_struct=features, num_packing_bins=spec.num_packing_bins or spec.batch_size, seed=spec.seed,

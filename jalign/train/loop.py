@@ -39,6 +39,51 @@ class Setup:
   state_shardings: Any
 
 
+class Task:
+  """What an objective plugs into the shared loop. The defaults fit a causal LM trained on packed or bucketed
+  sequences (SFT); preference objectives override the data, model and reference hooks."""
+
+  batch_fn: Callable[[list[dict]], dict] | None = None   # examples -> batch; None = packing / buckets
+
+  def load_model(self, cfg: RunConfig, mesh) -> nnx.Module:
+    """The module whose parameters train; it has `.cfg` (the backbone's ModelConfig)."""
+    return load_model(cfg, mesh)
+
+  def make_loss_fn(self, graphdef) -> Callable:
+    """loss_fn(params, batch) -> (loss_sum, weight, metric_sums), as `train.step` expects."""
+    raise NotImplementedError
+
+  def encode(self, record: dict, *, tok, max_length: int, truncation: str) -> dict:
+    raise NotImplementedError
+
+  def open_source(self, spec: str, *, train: bool):
+    return open_source(spec)
+
+  def start(self, setup: Setup) -> None:
+    """Called once after the model is built and before any checkpoint is restored (the initial policy)."""
+
+  def prepare(self, params, batch: dict) -> dict:
+    """Device batch -> device batch, before every train and eval step (e.g. reference log-probs)."""
+    return batch
+
+  def after_step(self, step: int, params) -> None:
+    """Called after each optimizer step with the new params (e.g. a reference-model sync)."""
+
+  def extra_state(self):
+    """A pytree checkpointed with the train state (None = nothing)."""
+    return None
+
+  def load_extra_state(self, tree) -> None:
+    pass
+
+  def evaluate(self, setup: Setup, params) -> dict:
+    """Held-out metrics beyond the eval loss, at eval_every and at the end."""
+    return {}
+
+  def export(self, module: nnx.Module, out_dir: str, tok) -> None:
+    models.save_pretrained(module, out_dir, tokenizer=tok)
+
+
 def load_model(cfg: RunConfig, mesh) -> models.Decoder:
   m = cfg.model
   knobs = dict(scan_layers=m.scan_layers, remat=m.remat)
@@ -49,10 +94,10 @@ def load_model(cfg: RunConfig, mesh) -> models.Decoder:
   return models.create(arch, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
 
 
-def setup(cfg: RunConfig, optimizer) -> Setup:
+def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   mesh = parallel.mesh_from_config(cfg.mesh.shape)
   tok = tokenizer_lib.load(cfg.tokenizer or cfg.model.path)
-  lm = load_model(cfg, mesh)
+  lm = (task or Task()).load_model(cfg, mesh)
   if tok.vocab_size > lm.cfg.vocab_size:
     raise ValueError(f"tokenizer {cfg.tokenizer or cfg.model.path} has {tok.vocab_size} tokens, more than the "
                      f"model's vocab_size {lm.cfg.vocab_size}")
@@ -68,15 +113,16 @@ def setup(cfg: RunConfig, optimizer) -> Setup:
   return Setup(cfg, mesh, tok, graphdef, lm.cfg, state, shardings)
 
 
-def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool):
-  source = open_source(spec)
+def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, task: Task | None = None):
+  task = task or Task()
+  source = task.open_source(spec, train=train)
   rows = cfg.train.batch_size // jax.process_count()
   pspec = pipeline.PipelineSpec(batch_size=rows, seq_len=cfg.train.seq_len, packing=cfg.data.packing,
                                 buckets=cfg.data.buckets, shuffle=cfg.data.shuffle and train, seed=cfg.seed,
                                 num_epochs=None if train else 1, skip_bad_records=cfg.data.skip_bad_records,
                                 num_packing_bins=cfg.data.num_packing_bins, drop_remainder=train)
   ds, counters = pipeline.build(source, encode, pspec, process_index=jax.process_index(),
-                                process_count=jax.process_count())
+                                process_count=jax.process_count(), batch_fn=task.batch_fn)
   return iter(ds), counters, source
 
 
@@ -109,20 +155,20 @@ def global_batch(local: dict, sharding) -> dict:
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
 
 
-def run(cfg: RunConfig, *, make_loss_fn: Callable, encode: Callable, evaluate: Callable | None = None) -> dict:
-  """Trains `cfg.train.steps` steps (resuming if a checkpoint exists); returns the final metrics.
-
-  make_loss_fn(graphdef) -> loss_fn(params, batch); encode(record, tok) -> example dict;
-  evaluate(setup, params) -> dict of held-out metrics (run at eval_every and at the end)."""
+def run(cfg: RunConfig, task: Task) -> dict:
+  """Trains `cfg.train.steps` steps of `task` (resuming if a checkpoint exists); returns the final metrics."""
   optimizer, lr_schedule = optim_lib.make(cfg.optim, cfg.train.steps)
-  s = setup(cfg, optimizer)
+  s = setup(cfg, optimizer, task)
   mesh = s.mesh
-  encode_fn = functools.partial(encode, tok=s.tok, max_length=cfg.data.max_length, truncation=cfg.data.truncation)
-  train_it, counters, _ = data_iterator(cfg, cfg.data.train, encode_fn, train=True)
+  encode_fn = functools.partial(task.encode, tok=s.tok, max_length=cfg.data.max_length,
+                                truncation=cfg.data.truncation)
+  task.start(s)
+  train_it, counters, _ = data_iterator(cfg, cfg.data.train, encode_fn, train=True, task=task)
 
   batch_sharding = parallel.batch_sharding(mesh)
   micro_sharding = parallel.batch_sharding(mesh, leading_micro_axis=True)
-  step_fn = make_step(make_loss_fn(s.graphdef), optimizer, lr_schedule, cfg.train.micro_batches, micro_sharding)
+  step_fn = make_step(task.make_loss_fn(s.graphdef), optimizer, lr_schedule, cfg.train.micro_batches,
+                      micro_sharding)
   rep = parallel.replicated(mesh)
   jitted = jax.jit(step_fn, in_shardings=(s.state_shardings, batch_sharding), out_shardings=(s.state_shardings, rep),
                    donate_argnums=0)
@@ -133,33 +179,37 @@ def run(cfg: RunConfig, *, make_loss_fn: Callable, encode: Callable, evaluate: C
   start = 0
   latest = ckpt.latest_step() if cfg.checkpoint.resume else None
   if latest is not None:
-    state = ckpt.restore(latest, abstract_like(state), train_it)
+    extra = task.extra_state()
+    if extra is None:
+      state = ckpt.restore(latest, abstract_like(state), train_it)
+    else:
+      state, extra = ckpt.restore(latest, abstract_like(state), train_it, abstract_extra=abstract_like(extra))
+      task.load_extra_state(extra)
     start = latest
   config_dict = as_dict(cfg)
   writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, config_dict)
   if latest is not None:
     writer.print(f"resumed from {ckpt.directory}/{latest}")
 
-  loss_eval = _make_eval_loss(cfg, s, make_loss_fn, encode_fn, batch_sharding) if cfg.data.eval else None
+  loss_eval = _make_eval_loss(cfg, s, task, encode_fn, batch_sharding) if cfg.data.eval else None
   fpt = flops_per_token(s.model_cfg, cfg.train.seq_len)
   peak = peak_flops(cfg.log.peak_flops)
   final: dict[str, float] = {}
-  pending = None  # (step, metrics on device, tokens, dispatch time) of the previous step
+  pending = None  # (step, metrics on device, tokens) of the previous step
   last_time = time.perf_counter()
 
   def evaluate_now(step: int, params) -> dict:
     out = {}
     if loss_eval is not None:
       out.update(loss_eval(params))
-    if evaluate is not None:
-      out.update(evaluate(s, params))
+    out.update(task.evaluate(s, params))
     if out:
       writer.write(step, out)
       writer.print(f"step {step}: " + "  ".join(f"{k}={v:.4f}" for k, v in out.items()))
     return out
 
   def save(step: int):
-    ckpt.save(step, state, train_it, config_dict)
+    ckpt.save(step, state, train_it, config_dict, extra=task.extra_state())
 
   def flush(pending):
     nonlocal last_time
@@ -183,9 +233,10 @@ def run(cfg: RunConfig, *, make_loss_fn: Callable, encode: Callable, evaluate: C
     while step < cfg.train.steps:
       local = next(train_it)
       tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
-      batch = global_batch(local, batch_sharding)
+      batch = task.prepare(state.params, global_batch(local, batch_sharding))
       state, dev_metrics = jitted(state, batch)
       step += 1
+      task.after_step(step, state.params)
       if pending is not None:
         final = flush(pending)
       pending = (step, dev_metrics, tokens)
@@ -208,25 +259,21 @@ def run(cfg: RunConfig, *, make_loss_fn: Callable, encode: Callable, evaluate: C
     final.update(evaluate_now(cfg.train.steps, state.params))
     ckpt.close()
     if cfg.checkpoint.export_hf and jax.process_index() == 0:
-      lm = nnx.merge(s.graphdef, state.params)
       out = os.path.join(cfg.run_dir, "hf")
-      models.save_pretrained(lm, out, tokenizer=s.tok)
+      task.export(nnx.merge(s.graphdef, state.params), out, s.tok)
       writer.print(f"exported HF checkpoint to {out}")
   writer.close()
   return final
 
 
-def _make_eval_loss(cfg: RunConfig, s: Setup, make_loss_fn, encode_fn, batch_sharding):
-  loss_fn = make_loss_fn(s.graphdef)
-
-  @jax.jit
-  def sums(params, batch):
-    loss_sum, weight, _ = loss_fn(params, batch)
-    return loss_sum, weight
+def _make_eval_loss(cfg: RunConfig, s: Setup, task: Task, encode_fn, batch_sharding):
+  """Held-out loss and the objective's metrics (eval/<name>), weighted like the training loss."""
+  loss_fn = task.make_loss_fn(s.graphdef)
+  sums_fn = jax.jit(lambda params, batch: loss_fn(params, batch))
 
   def evaluate(params) -> dict:
-    it, _, _ = data_iterator(cfg, cfg.data.eval, encode_fn, train=False)
-    total, weight = 0.0, 0.0
+    it, _, _ = data_iterator(cfg, cfg.data.eval, encode_fn, train=False, task=task)
+    total, weight, sums = 0.0, 0.0, {}
     for _ in range(cfg.train.eval_batches):
       try:
         local = next(it)
@@ -234,8 +281,14 @@ def _make_eval_loss(cfg: RunConfig, s: Setup, make_loss_fn, encode_fn, batch_sha
         break
       if len(local["tokens"]) * jax.process_count() != cfg.train.batch_size:
         break  # a short final batch would not split over the mesh
-      l, w = sums(params, global_batch(local, batch_sharding))
+      l, w, m = jax.device_get(sums_fn(params, task.prepare(params, global_batch(local, batch_sharding))))
       total, weight = total + float(l), weight + float(w)
-    return {"eval/loss": total / weight} if weight else {}
+      for k, v in m.items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+    if not weight:
+      return {}
+    out = {"eval/loss": total / weight}
+    out.update({"eval/" + k: v / weight for k, v in sums.items()})
+    return out
 
   return evaluate

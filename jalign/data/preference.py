@@ -1,0 +1,228 @@
+"""Preference pairs -> token ids: chosen and rejected encoded against the same prompt, batched together.
+
+Accepted records (TRL's two styles; one style per dataset):
+- plain: `{"prompt": str, "chosen": str, "rejected": str}`: prompt encoded with the tokenizer's special tokens, each
+  completion appended with eos;
+- conversational: `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}` rendered with the chat
+  template (loss on the completion messages, end-of-turn included), or TRL's implicit-prompt form without `prompt`,
+  where `chosen`/`rejected` are whole conversations sharing every message but the last.
+Optional per-pair fields: `margin` (Bradley-Terry margin), `chosen_score`/`rejected_score` (gold scores for
+reward-model evaluation), `ref_chosen_logp`/`ref_rejected_logp` (precomputed reference log-probs for DPO).
+
+A batch holds whole pairs: `tokens`, `loss_mask`, `segment_ids`, `positions` are int32 [B, 2, L] (index 0 =
+chosen, 1 = rejected), so data parallelism and gradient accumulation never split a pair.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Callable
+
+import numpy as np
+
+from jalign.data.sft import TooLong, _check_messages, _check_text, _template_spans, _tokens_with_mask
+from jalign.data.sources import DataError
+from jalign.tokenizer import ChatTemplateError, Tokenizer
+
+OPTIONAL_FLOATS = ("margin", "chosen_score", "rejected_score", "ref_chosen_logp", "ref_rejected_logp")
+STYLES = ("plain", "conversational")
+
+
+def style_of(record) -> str:
+  """'plain' or 'conversational'; DataError naming what is wrong with a record that is neither."""
+  if not isinstance(record, dict):
+    raise DataError(f"expected an object, found {type(record).__name__}")
+  for key in ("chosen", "rejected"):
+    if key not in record:
+      raise DataError(f"record has no {key!r} field (keys: {sorted(record)}); a preference record needs "
+                      "'chosen' and 'rejected' (and 'prompt' unless they are whole conversations)")
+  kinds = {k: "conversational" if isinstance(record[k], list) else "plain"
+           for k in ("prompt", "chosen", "rejected") if k in record}
+  if len(set(kinds.values())) > 1:
+    raise DataError(f"record mixes plain text and message lists: {kinds}")
+  style = next(iter(kinds.values()))
+  if style == "plain" and "prompt" not in record:
+    raise DataError("plain-text record has no 'prompt' field")
+  return style
+
+
+def _split_implicit(chosen: list, rejected: list) -> tuple[list, list, list]:
+  """TRL's implicit prompt: the messages both conversations share before they differ."""
+  k = 0
+  while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+    k += 1
+  if k == 0:
+    raise DataError("'chosen' and 'rejected' share no leading prompt messages and there is no 'prompt' field")
+  return chosen[:k], chosen[k:], rejected[k:]
+
+
+def _encode_side(tok: Tokenizer, style: str, prompt, completion, key: str) -> tuple[np.ndarray, np.ndarray]:
+  if style == "conversational":
+    messages = prompt + _check_messages(completion, key)
+    for i, m in enumerate(completion):
+      if m["role"] == "assistant" and not m["content"].strip():
+        raise DataError(f"{key}[{i}] (assistant) has empty content")
+    text, spans = _template_spans(tok, messages, len(prompt))
+    ids, mask = _tokens_with_mask(tok, text, spans)
+  else:
+    p = tok.encode(prompt, add_special_tokens=True)
+    c = tok.encode(_check_text(completion, key), add_special_tokens=False)
+    eos = [] if tok.eos_id is None else [tok.eos_id]
+    ids = np.asarray(p + c + eos, np.int32)
+    mask = np.asarray([0] * len(p) + [1] * (len(c) + len(eos)), np.int32)
+  if not mask.any():
+    raise DataError(f"{key!r} has no completion tokens")
+  return ids, mask
+
+
+def _prompt_length(mask: np.ndarray) -> int:
+  return int(np.argmax(mask > 0))
+
+
+def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "keep_start") -> dict:
+  """{"chosen", "chosen_mask", "rejected", "rejected_mask": int32[n <= max_length], plus the optional float
+  fields present in the record}; raises DataError on a malformed record, TooLong when truncation='drop'."""
+  style = style_of(record)
+  try:
+    if style == "conversational":
+      if "prompt" in record:
+        prompt = _check_messages(record["prompt"], "prompt")
+        chosen, rejected = record["chosen"], record["rejected"]
+      else:
+        prompt, chosen, rejected = _split_implicit(_check_messages(record["chosen"], "chosen"),
+                                                   _check_messages(record["rejected"], "rejected"))
+    else:
+      prompt, chosen, rejected = _check_text(record["prompt"], "prompt"), record["chosen"], record["rejected"]
+    sides = [_encode_side(tok, style, prompt, chosen, "chosen"),
+             _encode_side(tok, style, prompt, rejected, "rejected")]
+  except ChatTemplateError as e:
+    raise DataError(str(e)) from None
+  prompt_len = _prompt_length(sides[0][1])
+  longest = max(len(ids) for ids, _ in sides)
+  if prompt_len >= max_length or (longest > max_length and truncation == "drop"):
+    what = (f"prompt has {prompt_len} tokens, not fewer than max_length={max_length}" if prompt_len >= max_length
+            else f"{longest} tokens, more than max_length={max_length} (truncation='drop')")
+    if truncation == "drop":
+      raise TooLong(what)
+    raise DataError(what + "; raise data.max_length, shorten the prompt or set data.truncation='drop' to skip")
+  if longest > max_length:
+    if truncation == "keep_start":  # cut the completions' ends
+      sides = [(ids[:max_length], mask[:max_length]) for ids, mask in sides]
+    else:  # keep_end: cut the same number of prompt tokens from the start of both, keeping the completions whole
+      cut = longest - max_length
+      if cut >= prompt_len:
+        raise DataError(f"a completion alone is longer than max_length={max_length}; truncation='keep_end' "
+                        "would remove the whole prompt")
+      sides = [(ids[cut:], mask[cut:]) for ids, mask in sides]
+  out = {"chosen": sides[0][0], "chosen_mask": sides[0][1], "rejected": sides[1][0], "rejected_mask": sides[1][1]}
+  for key in OPTIONAL_FLOATS:
+    if record.get(key) is not None:
+      value = record[key]
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"field {key!r} must be a finite number, found {value!r:.40}")
+      out[key] = float(value)
+  return out
+
+
+def pair_batch(buckets: tuple[int, ...], *, optional: tuple[str, ...] = OPTIONAL_FLOATS) -> Callable:
+  """Batches pairs right-padded to the smallest bucket that fits the longest sequence of the batch. Missing
+  optional fields become NaN (margin: 0)."""
+  def batch(examples: list[dict]) -> dict:
+    longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in examples)
+    length = next((b for b in buckets if b >= longest), buckets[-1])
+    def pad(x):
+      return np.pad(x, (0, length - len(x)))
+    tokens = np.stack([np.stack([pad(e["chosen"]), pad(e["rejected"])]) for e in examples]).astype(np.int32)
+    mask = np.stack([np.stack([pad(e["chosen_mask"]), pad(e["rejected_mask"])]) for e in examples]).astype(np.int32)
+    real = np.stack([np.stack([pad(np.ones_like(e["chosen"])), pad(np.ones_like(e["rejected"]))])
+                     for e in examples]).astype(np.int32)
+    out = {"tokens": tokens, "loss_mask": mask, "segment_ids": real,
+           "positions": np.where(real > 0, np.arange(length), 0).astype(np.int32)}
+    for key in optional:
+      default = 0.0 if key == "margin" else np.nan
+      out[key] = np.asarray([e.get(key, default) for e in examples], np.float32)
+    return out
+  return batch
+
+
+# ------------------------------------------------------------------------------------------ checks before training
+
+@dataclasses.dataclass
+class PairStats:
+  pairs: int = 0
+  identical: int = 0                # chosen == rejected
+  duplicated_prompts: int = 0       # pairs whose prompt appeared in an earlier pair
+  chosen_tokens_mean: float = 0.0
+  rejected_tokens_mean: float = 0.0
+  has_gold: bool = False
+  has_ref_logps: bool = False
+
+  @property
+  def length_ratio(self) -> float:
+    return self.chosen_tokens_mean / max(self.rejected_tokens_mean, 1e-9)
+
+  def problems(self, max_length_ratio: float) -> list[str]:
+    out = []
+    if self.identical:
+      out.append(f"{self.identical} pairs have chosen identical to rejected (no preference signal)")
+    if self.duplicated_prompts:
+      out.append(f"{self.duplicated_prompts} pairs repeat an earlier pair's prompt")
+    r = self.length_ratio
+    if r > max_length_ratio or r < 1 / max_length_ratio:
+      out.append(f"chosen/rejected length ratio {r:.2f} (chosen {self.chosen_tokens_mean:.1f} vs rejected "
+                 f"{self.rejected_tokens_mean:.1f} tokens on average) is outside [1/{max_length_ratio:g}, "
+                 f"{max_length_ratio:g}]: a model can learn length instead of quality")
+    return out
+
+  def summary(self) -> str:
+    return (f"{self.pairs} pairs; chosen {self.chosen_tokens_mean:.1f} / rejected {self.rejected_tokens_mean:.1f} "
+            f"tokens on average (ratio {self.length_ratio:.2f}); {self.identical} identical pairs; "
+            f"{self.duplicated_prompts} repeated prompts")
+
+
+def check_pairs(source, encode_fn: Callable[[dict], dict], *, limit: int = 0, skip_bad_records: bool = False
+                ) -> PairStats:
+  """Reads (the first `limit` or all) records once: one style per dataset, every record encodable (else DataError
+  naming file:line, unless skip_bad_records), and the statistics of `PairStats`."""
+  stats = PairStats()
+  first_style: tuple[str, str] | None = None
+  prompts: collections.Counter = collections.Counter()
+  chosen_len = rejected_len = 0
+  gold = ref = 0
+  n = len(source) if not limit else min(limit, len(source))
+  for i in range(n):
+    try:
+      record = source[i]
+      style = style_of(record)
+      if first_style is None:
+        first_style = (style, source.where(i))
+      elif style != first_style[0]:
+        raise DataError(f"{style} record in a dataset whose first record ({first_style[1]}) is {first_style[0]}; "
+                        "use one style per dataset")
+      ex = encode_fn(record)
+    except TooLong:
+      continue
+    except DataError as e:
+      where = source.where(i)
+      if skip_bad_records:
+        continue
+      msg = str(e) if str(e).startswith(where.split(":")[0]) else f"{where}: {e}"
+      raise DataError(msg) from None
+    stats.pairs += 1
+    stats.identical += int(np.array_equal(ex["chosen"], ex["rejected"]))
+    prompt_key = repr(record.get("prompt")) if "prompt" in record else repr(ex["chosen"][:_prompt_length(
+        ex["chosen_mask"])].tolist())
+    prompts[prompt_key] += 1
+    chosen_len += int(ex["chosen_mask"].sum())
+    rejected_len += int(ex["rejected_mask"].sum())
+    gold += "chosen_score" in ex and "rejected_score" in ex
+    ref += "ref_chosen_logp" in ex and "ref_rejected_logp" in ex
+  if stats.pairs == 0:
+    raise DataError(f"{getattr(source, 'path', 'data source')}: no usable preference pairs")
+  stats.duplicated_prompts = sum(c - 1 for c in prompts.values())
+  stats.chosen_tokens_mean = chosen_len / stats.pairs
+  stats.rejected_tokens_mean = rejected_len / stats.pairs
+  stats.has_gold = gold == stats.pairs
+  stats.has_ref_logps = ref == stats.pairs
+  return stats

@@ -1,0 +1,37 @@
+"""The SFT task: next-token NLL on completion tokens, held-out teacher-forced exact match."""
+from __future__ import annotations
+
+from jalign.config import RunConfig
+from jalign.data import sft as sft_data
+from jalign.data.sources import DataError, open_source
+from jalign.objectives import sft
+from jalign.train import loop
+
+
+class SftTask(loop.Task):
+  def __init__(self, cfg: RunConfig):
+    self.cfg = cfg
+
+  def make_loss_fn(self, graphdef):
+    return sft.make_loss_fn(graphdef, impl=self.cfg.logprobs.impl, chunk=self.cfg.logprobs.chunk)
+
+  def encode(self, record, *, tok, max_length, truncation):
+    return sft_data.encode(record, tok, max_length=max_length, truncation=truncation)
+
+  def evaluate(self, setup, params) -> dict:
+    cfg = self.cfg
+    if not cfg.data.eval or not cfg.train.eval_examples:
+      return {}
+    source = open_source(cfg.data.eval)
+    examples = []
+    for i in range(min(len(source), cfg.train.eval_examples)):
+      try:
+        examples.append(sft_data.encode(source[i], setup.tok, max_length=cfg.data.max_length,
+                                        truncation=cfg.data.truncation))
+      except DataError:
+        continue
+    return {"eval/exact_match": sft.exact_match(setup.graphdef, params, examples)}
+
+
+def run(cfg: RunConfig) -> dict:
+  return loop.run(cfg, SftTask(cfg))
