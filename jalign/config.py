@@ -10,6 +10,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from jalign.losses.dpo import PAIRED, REFERENCE_FREE
 from jalign.models.config import ModelConfig
 from jalign.models.sharding import DEFAULT_RULES
 
@@ -39,6 +40,10 @@ class DataSection:
   shuffle: bool = True
   skip_bad_records: bool = False
   num_packing_bins: int = 0            # 0 = rows per process batch
+  pair_checks: Literal["warn", "error", "off"] = "warn"   # preference data: identical pairs, repeated prompts,
+                                                          # chosen/rejected length imbalance, checked before training
+  max_length_ratio: float = 1.5        # chosen/rejected mean-length ratio beyond which pair_checks reports it
+  check_records: int = 0               # records read by the pair checks; 0 = all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +157,37 @@ class GrpoSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+  head: Literal["linear", "mlp"] = "linear"    # scalar head on the last real token's hidden state
+  head_bias: bool = False              # HF *ForSequenceClassification has none; export needs linear, no bias
+  mlp_size: int = 0                    # mlp head width; 0 = hidden size
+  center_rewards_coefficient: float = 0.0   # TRL: + coef * (r_c + r_r)^2 (Eisenstein et al. 2023); 0 = off
+
+
+DPO_LOSS_TYPES = PAIRED + REFERENCE_FREE
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoSection:
+  loss_type: Literal[DPO_LOSS_TYPES] = "sigmoid"   # simpo / cpo / orpo need no reference model
+  beta: float = 0.1                    # (orpo: lambda; simpo: its beta, ~2)
+  label_smoothing: float = 0.0         # sigmoid: conservative DPO; robust / exo_pair: the noise level
+  simpo_gamma: float = 0.5             # SimPO target reward margin
+  cpo_alpha: float = 1.0               # CPO: weight of the chosen NLL
+  discopop_tau: float = 0.05
+  rpo_alpha: float = 0.0               # RPO (Pang et al. 2024): + alpha x token-mean NLL of the chosen; 0 = off
+  precompute_ref_logps: bool = False   # one reference pass over the data before training, then no reference forward
+  sync_ref_model: bool = False         # TR-DPO (Gorbatovski et al. 2024): ref = a * policy + (1 - a) * ref ...
+  ref_model_mixup_alpha: float = 0.6
+  ref_model_sync_steps: int = 512      # ... every this many steps
+  eval_prompts: str = ""               # held-out prompts for greedy task accuracy (needs a ground truth); "" = none
+  eval_examples: int = 500
+  eval_max_new_tokens: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
-  task: Literal["sft", "rollout", "grpo"] = "sft"
+  task: Literal["sft", "rollout", "grpo", "rm", "dpo"] = "sft"
   run_dir: str = "runs/default"
   seed: int = 0
   tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
@@ -169,6 +203,8 @@ class RunConfig:
   reward: RewardSection = RewardSection()
   rollout: RolloutSection = RolloutSection()
   grpo: GrpoSection = GrpoSection()
+  rm: RewardModelSection = RewardModelSection()
+  dpo: DpoSection = DpoSection()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,8 +328,10 @@ def validate(values, num_devices: int) -> RunConfig:
                       "example must fit one row")
   if d.buckets and max(d.buckets) > t.seq_len:
     raise ConfigError(f"config.data.buckets={d.buckets}: largest bucket exceeds train.seq_len={t.seq_len}")
-  if cfg.task == "sft" and not d.train:
+  if cfg.task in ("sft", "rm", "dpo") and not d.train:
     raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
+  if cfg.task in ("rm", "dpo"):
+    _validate_preference(cfg)
   if cfg.task in ("rollout", "grpo"):
     _validate_rollout(cfg)
   if cfg.task == "grpo":
@@ -308,6 +346,43 @@ def validate(values, num_devices: int) -> RunConfig:
   if not (cfg.tokenizer or cfg.model.path):
     raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
   return cfg
+
+
+def _validate_preference(cfg: RunConfig) -> None:
+  d, r, p = cfg.data, cfg.rm, cfg.dpo
+  if d.packing:
+    raise ConfigError(f"config.data.packing=True: {cfg.task} batches whole preference pairs padded to a bucket, not "
+                      "packed; set data.packing=False")
+  if d.max_length > cfg.train.seq_len:
+    raise ConfigError(f"config.data.max_length={d.max_length} exceeds config.train.seq_len={cfg.train.seq_len}: "
+                      "a pair's sequences must fit one row")
+  if d.max_length_ratio < 1:
+    raise ConfigError(f"config.data.max_length_ratio={d.max_length_ratio}: must be >= 1")
+  if cfg.task == "rm":
+    if r.center_rewards_coefficient < 0 or r.mlp_size < 0:
+      raise ConfigError("config.rm.center_rewards_coefficient and config.rm.mlp_size must be >= 0")
+    if cfg.checkpoint.export_hf and (r.head != "linear" or r.head_bias):
+      raise ConfigError(f"config.rm.head={r.head!r}, head_bias={r.head_bias}: an HF sequence-classification "
+                        "checkpoint holds one linear score without bias; use rm.head='linear', rm.head_bias=False or "
+                        "set checkpoint.export_hf=False")
+    return
+  if p.beta <= 0:
+    raise ConfigError(f"config.dpo.beta={p.beta}: must be positive")
+  if p.loss_type == "exo_pair" and not 0 < p.label_smoothing < 1:
+    raise ConfigError("config.dpo.label_smoothing: loss_type 'exo_pair' needs 0 < label_smoothing < 1 (e.g. 1e-3)")
+  if not 0 <= p.label_smoothing < 0.5:
+    raise ConfigError(f"config.dpo.label_smoothing={p.label_smoothing}: must be in [0, 0.5)")
+  if p.rpo_alpha < 0:
+    raise ConfigError(f"config.dpo.rpo_alpha={p.rpo_alpha}: must be >= 0")
+  if p.sync_ref_model:
+    if p.precompute_ref_logps:
+      raise ConfigError("config.dpo.sync_ref_model=True with precompute_ref_logps=True: precomputed reference "
+                        "log-probs go stale when the reference is synced; set one of them to False")
+    if not 0 < p.ref_model_mixup_alpha <= 1 or p.ref_model_sync_steps <= 0:
+      raise ConfigError("config.dpo: sync_ref_model needs 0 < ref_model_mixup_alpha <= 1 and "
+                        "ref_model_sync_steps > 0")
+    if p.loss_type in REFERENCE_FREE:
+      raise ConfigError(f"config.dpo.sync_ref_model=True: loss_type {p.loss_type!r} uses no reference model")
 
 
 def _validate_rollout(cfg: RunConfig) -> None:

@@ -28,7 +28,17 @@ def run_grpo(cfg: RunConfig) -> dict:
   return grpo.run(cfg)
 
 
-TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo}
+def run_rm(cfg: RunConfig) -> dict:
+  from jalign.train import reward
+  return reward.run(cfg)
+
+
+def run_dpo(cfg: RunConfig) -> dict:
+  from jalign.train import dpo
+  return dpo.run(cfg)
+
+
+TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo, "rm": run_rm, "dpo": run_dpo}
 
 
 def main(argv):
@@ -44,7 +54,7 @@ def main(argv):
     raise SystemExit(f"config error: {e}") from None
   final = TASKS[cfg.task](cfg)
   summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())
-                      if k.startswith(("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score")))
+                      if k.startswith(("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/")))
   print(f"done: {summary}", flush=True)
 
 

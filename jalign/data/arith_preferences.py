@@ -47,7 +47,12 @@ def corrupt(truth: int, rng: np.random.RandomState) -> int:
 def build(split: str, policy_dir: str | None, *, n: int | None = None, samples: int = 8, seed: int = 0,
           batch: int = 256) -> list[dict]:
   """Preference records for `split`; with `policy_dir`, rejected answers come from that policy's samples."""
-  base = synthetic.records(split, n or SPLIT_SIZES[split], seed=seed)
+  n = n or SPLIT_SIZES[split]
+  base, seen = [], set()
+  for r in synthetic.records(split, 4 * n, seed=seed):  # distinct prompts: one pair per question
+    if r["prompt"] not in seen and len(base) < n:
+      seen.add(r["prompt"])
+      base.append(r)
   policy_answers: list[list[str]] = [[] for _ in base]
   if policy_dir:
     policy_answers = _sample_policy(base, policy_dir, samples=samples, seed=seed, batch=batch)

@@ -7,7 +7,8 @@ Accepted records (TRL's two styles; one style per dataset):
   template (loss on the completion messages, end-of-turn included), or TRL's implicit-prompt form without `prompt`,
   where `chosen`/`rejected` are whole conversations sharing every message but the last.
 Optional per-pair fields: `margin` (Bradley-Terry margin), `chosen_score`/`rejected_score` (gold scores for
-reward-model evaluation), `ref_chosen_logp`/`ref_rejected_logp` (precomputed reference log-probs for DPO).
+reward-model evaluation), `ref_chosen_logps`/`ref_rejected_logps` (precomputed reference log-probs for DPO; TRL's
+column names).
 
 A batch holds whole pairs: `tokens`, `loss_mask`, `segment_ids`, `positions` are int32 [B, 2, L] (index 0 =
 chosen, 1 = rejected), so data parallelism and gradient accumulation never split a pair.
@@ -25,7 +26,7 @@ from jalign.data.sft import TooLong, _check_messages, _check_text, _template_spa
 from jalign.data.sources import DataError
 from jalign.tokenizer import ChatTemplateError, Tokenizer
 
-OPTIONAL_FLOATS = ("margin", "chosen_score", "rejected_score", "ref_chosen_logp", "ref_rejected_logp")
+OPTIONAL_FLOATS = ("margin", "chosen_score", "rejected_score", "ref_chosen_logps", "ref_rejected_logps")
 STYLES = ("plain", "conversational")
 
 
@@ -217,7 +218,7 @@ def check_pairs(source, encode_fn: Callable[[dict], dict], *, limit: int = 0, sk
     chosen_len += int(ex["chosen_mask"].sum())
     rejected_len += int(ex["rejected_mask"].sum())
     gold += "chosen_score" in ex and "rejected_score" in ex
-    ref += "ref_chosen_logp" in ex and "ref_rejected_logp" in ex
+    ref += "ref_chosen_logps" in ex and "ref_rejected_logps" in ex
   if stats.pairs == 0:
     raise DataError(f"{getattr(source, 'path', 'data source')}: no usable preference pairs")
   stats.duplicated_prompts = sum(c - 1 for c in prompts.values())

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 PAIRED = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
           "discopop", "sigmoid_norm")
+REFERENCE_FREE = ("simpo", "cpo", "orpo")   # need no reference model
 _log_sigmoid = jax.nn.log_sigmoid
 
 

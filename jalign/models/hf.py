@@ -1,4 +1,6 @@
-"""Hugging Face checkpoints in and out: `from_pretrained` and `save_pretrained`.
+"""Hugging Face checkpoints in and out: `from_pretrained` and `save_pretrained` (causal LMs), and
+`load_sequence_classifier` / `save_pretrained(..., score=...)` (`*ForSequenceClassification` with one label: reward
+models and critics).
 
 Tensors are renamed and reshaped between HF's per-layer `[out, in]` Linear weights and jalign's stacked
 `[layers, in, heads, head_dim]`-style parameters, converted to the requested dtype, and each device's shard is read
@@ -150,6 +152,18 @@ def from_pretrained(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh
   """Loads an HF checkpoint directory into a `Decoder`, each parameter placed in its sharded layout on `mesh`
   (one device when None). `dtype` is the parameter dtype (default: the checkpoint's); `overrides` set runtime
   fields of `ModelConfig` (scan_layers, remat, ...)."""
+  return _load(path, dtype, mesh, rules=rules, compute_dtype=compute_dtype, score=False, **overrides)[0]
+
+
+def load_sequence_classifier(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None, *,
+                             rules=DEFAULT_RULES, compute_dtype: str | None = None, **overrides
+                             ) -> tuple[Decoder, np.ndarray]:
+  """An HF `*ForSequenceClassification` checkpoint with one label -> (backbone Decoder, score weight [D] fp32).
+  The backbone has no LM head of its own (a classifier checkpoint carries none)."""
+  return _load(path, dtype, mesh, rules=rules, compute_dtype=compute_dtype, score=True, **overrides)
+
+
+def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overrides):
   cfg, _ = load_hf_config(path)
   dtype = dtype or cfg.param_dtype
   cfg = cfg.replace(param_dtype=dtype, dtype=compute_dtype or dtype, **overrides)
@@ -157,6 +171,17 @@ def from_pretrained(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh
   tensors = _open_checkpoint(path)
   prefix = _hf_prefix(tensors)
   lm_head_prefix = prefix[: -len("model.")] if prefix.endswith("model.") else ""
+  score_weight = None
+  if score:
+    name = lm_head_prefix + "score.weight"
+    if name not in tensors:
+      raise CheckpointError(f"{path}: no {name!r} tensor: not a sequence-classification checkpoint")
+    score_weight = np.asarray(tensors[name].get(name), np.float32)
+    if score_weight.shape != (1, cfg.hidden_size):
+      raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has shape {score_weight.shape}, expected "
+                            f"(1, {cfg.hidden_size}): only single-label (scalar) classifiers are reward models")
+    cfg = cfg.replace(tie_embeddings=True)  # the backbone only embeds; no LM head to read
+    tensors = {n: f for n, f in tensors.items() if n != name}
 
   def hf_name(spec: _Tensor, layer: int | None) -> str:
     if spec.hf == "lm_head.weight":
@@ -209,7 +234,7 @@ def from_pretrained(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh
     raise CheckpointError(f"{path}: unexpected weights for model_type {cfg.model_type!r}: "
                           f"{', '.join(unexpected[:10])}{more}")
   nnx.replace_by_pure_dict(abstract_state, pure)
-  return nnx.merge(graphdef, abstract_state)
+  return nnx.merge(graphdef, abstract_state), (None if score_weight is None else score_weight[0])
 
 
 def _check_tokenizer_vocab(path: str, cfg: ModelConfig) -> None:
@@ -236,11 +261,21 @@ def _parse_size(size: int | str) -> int:
 
 
 def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | None = None,
-                    max_shard_size: int | str = "5GB") -> None:
+                    max_shard_size: int | str = "5GB", score=None) -> None:
   """Writes the HF layout (config.json, generation_config.json, safetensors, sharded with an index above
   `max_shard_size`, tokenizer files when given) that transformers loads back. Each file is written to a temporary
-  name and renamed, so an interrupted save leaves no partial file under a final name."""
+  name and renamed, so an interrupted save leaves no partial file under a final name.
+
+  With `score` (a [D] weight), writes a one-label `*ForSequenceClassification` checkpoint (a reward model: the
+  backbone plus `score.weight`, no LM head) instead of a causal LM."""
   cfg = lm.cfg
+  if score is not None:
+    score = np.asarray(jax.device_get(score), np.float32).reshape(-1)
+    if score.shape != (cfg.hidden_size,):
+      raise ValueError(f"score weight has shape {score.shape}, expected ({cfg.hidden_size},)")
+    if cfg.pad_token_id is None:
+      raise ValueError("a sequence-classification checkpoint needs pad_token_id in the model config (transformers "
+                       "finds each row's last token by it)")
   dtype = jnp.dtype(dtype or cfg.param_dtype)
   os.makedirs(out_dir, exist_ok=True)
   state = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
@@ -249,8 +284,12 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   to_host = lambda arr: np.asarray(jax.device_get(arr))
   entries = []
   for name, spec in _top_tensors(cfg).items():
+    if name == "lm_head" and score is not None:
+      continue
     full = "lm_head.weight" if name == "lm_head" else "model." + spec.hf
     entries.append((full, spec.hf_shape(cfg), lambda n=name, s=spec: s.to_hf(to_host(state[n]), cfg)))
+  if score is not None:
+    entries.append(("score.weight", (1, cfg.hidden_size), lambda: score[None]))
   for layer in range(cfg.num_layers):
     for name, spec in layer_tensors(cfg).items():
       entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),
@@ -280,7 +319,11 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
     if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", stale) and stale not in names:
       os.remove(os.path.join(out_dir, stale))
 
-  _write_json(os.path.join(out_dir, "config.json"), {**to_hf_config(cfg), "dtype": dtype.name})
+  hf_config = {**to_hf_config(cfg), "dtype": dtype.name}
+  if score is not None:
+    hf_config.update(architectures=[hf_config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
+                     id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+  _write_json(os.path.join(out_dir, "config.json"), hf_config)
   gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("pad_token_id", cfg.pad_token_id),
                            ("eos_token_id", list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple)
                             else cfg.eos_token_id)) if v is not None}

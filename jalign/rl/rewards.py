@@ -1,4 +1,5 @@
-"""Reward functions on decoded text (verifiable, rule-based) and the in-graph reward-model scorer.
+"""Reward functions on decoded text (verifiable, rule-based); a reward model scores in-graph with
+`jalign.objectives.reward.RewardModel.score`.
 
 A reward function maps a batch of completions (with their ground truths and token lengths) to float32 scores.
 Functions are registered by name so configs pick them (`{"gsm8k": 1.0, "format": 0.1}`). Model output is only ever
@@ -11,8 +12,6 @@ import re
 from fractions import Fraction
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -193,19 +192,3 @@ class RewardSpec:
       terms["length"] = length_penalty(batch.lengths, target=self.length_target)
       total = total + self.length_weight * terms["length"]
     return np.asarray(total, np.float32), terms
-
-
-# ------------------------------------------------------------------------------------------ reward model in-graph
-
-def last_token_index(mask_BxT: jax.Array) -> jax.Array:
-  """Index of each row's last real token (right or left padding)."""
-  positions = jnp.arange(mask_BxT.shape[1])
-  return jnp.max(jnp.where(mask_BxT > 0, positions, -1), axis=1)
-
-
-def score_with_reward_model(backbone, head, ids_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
-  """Bradley-Terry reward model score per sequence: the scalar head read at the last non-pad token. Pure and
-  jittable, so RL loops call it inside their jitted scoring step."""
-  hidden, _ = backbone.forward(ids_BxT, mask_BxT)
-  scores_BxT = head(hidden)
-  return jnp.take_along_axis(scores_BxT, last_token_index(mask_BxT)[:, None], axis=1)[:, 0]

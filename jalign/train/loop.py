@@ -104,6 +104,7 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   graphdef, params = nnx.split(lm)
   params = nnx.to_pure_dict(params)
   param_shardings = nnx.to_pure_dict(models.state_shardings(lm, mesh, cfg.mesh.rules))
+  params = jax.device_put(params, param_shardings)  # parts built outside the loader (heads) land on the mesh too
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from jalign import models
+from jalign.objectives.reward import RewardModel
 from jalign.rl import rewards as R
 
 
@@ -69,8 +70,8 @@ def test_reward_model_scores_last_real_token():
   head = models.ScalarHead(16, rngs=nnx.Rngs(1))
   ids = np.array([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7], [5, 6, 7, 0, 0]])
   mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-  got = np.asarray(jax.jit(lambda i, m: R.score_with_reward_model(lm, head, i, m))(jnp.asarray(ids),
-                                                                                  jnp.asarray(mask)))
+  rm = RewardModel(lm, head)
+  got = np.asarray(jax.jit(lambda i, m: rm.score(i, m))(jnp.asarray(ids), jnp.asarray(mask)))
   alone = np.asarray(head(lm.forward(jnp.asarray([[5, 6, 7]]))[0]))[0, -1]
   np.testing.assert_allclose(got[[0, 2]], [alone, alone], atol=1e-5)  # left or right padding: same score
   assert got.shape == (3,)

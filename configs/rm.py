@@ -1,0 +1,51 @@
+"""Bradley-Terry reward model on the built-in arithmetic preference set, starting from the shipped tiny policy.
+
+    python -m jalign.run --config=configs/rm.py              # held-out pairwise accuracy and Spearman vs gold
+    python -m jalign.run --config=configs/rm.py:tiny         # seconds, for tests
+
+The data (`jalign/assets/arith_prefs`) comes from `python -m jalign.data.arith_preferences`.
+"""
+import os
+
+import ml_collections
+
+import jalign
+
+ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.task = "rm"
+  c.run_dir = "runs/rm"
+  c.seed = 0
+  c.tokenizer = ""
+  c.model = ml_collections.ConfigDict(dict(
+      path=os.path.join(ASSETS, "tiny_policy"), arch=None, dtype="float32", compute_dtype="", scan_layers=True,
+      remat="none"))
+  c.data = ml_collections.ConfigDict(dict(
+      train=os.path.join(ASSETS, "arith_prefs", "train.jsonl"), eval=os.path.join(ASSETS, "arith_prefs", "test.jsonl"),
+      max_length=32, truncation="keep_start", packing=False, buckets=(), shuffle=True, skip_bad_records=False,
+      pair_checks="warn", max_length_ratio=1.5, check_records=0))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=600, batch_size=32, micro_batches=1, seq_len=32, log_every=50, eval_every=200, eval_batches=4,
+      eval_examples=500))
+  c.optim = ml_collections.ConfigDict(dict(
+      lr=5e-4, schedule="cosine", warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
+      clip_norm=1.0))
+  c.rm = ml_collections.ConfigDict(dict(head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01))
+  c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=200, keep=2, resume=True, export_hf=True, async_save=True))
+  c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
+                                         wandb_project="jalign", peak_flops=0.0))
+  c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))
+  if arg == "tiny":
+    c.run_dir = "runs/rm_tiny"
+    c.train.update(steps=6, batch_size=8, log_every=2, eval_every=0, eval_batches=2, eval_examples=32)
+    c.optim.warmup_steps = 2
+    c.data.check_records = 200
+    c.checkpoint.every = 3
+    c.log.tensorboard = False
+  elif arg:
+    raise ValueError(f"configs/rm.py: unknown arg {arg!r}; accepted: 'tiny' or none")
+  return c

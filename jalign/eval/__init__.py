@@ -1,0 +1,1 @@
+"""Evaluation metrics and held-out checks."""

@@ -1,0 +1,81 @@
+"""DPO-family objective on preference batches [B, 2, L] (chosen, rejected): summed completion log-probs of the
+policy (and, from the batch, of the reference) -> `losses.dpo`. Metrics use TRL's names.
+
+`rpo_alpha` adds RPO's NLL on the chosen completions (Pang et al. 2024), as TRL's `"sft"` loss term: the token mean
+over the batch's chosen tokens, weighted by alpha.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jalign import kernels
+from jalign.losses import dpo as dpo_losses
+from jalign.objectives.sft import targets_and_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoLossConfig:
+  loss_type: str = "sigmoid"
+  beta: float = 0.1
+  label_smoothing: float = 0.0
+  simpo_gamma: float = 0.5
+  cpo_alpha: float = 1.0
+  discopop_tau: float = 0.05
+  rpo_alpha: float = 0.0
+
+
+def sequence_logps(graphdef, params, batch: dict, *, impl: str = "auto", chunk: int = 4096):
+  """(summed completion log-probs [B, 2], completion token counts [B, 2], per-token log-probs [2B, L] with their
+  weights) of a pair batch under the model at `params`."""
+  b, two, length = batch["tokens"].shape
+  flat = {k: batch[k].reshape(b * two, length) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
+  lm = nnx.merge(graphdef, params)
+  hidden, _ = lm.forward(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"])
+  targets, weights = targets_and_weights(flat)
+  logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap, impl=impl,
+                                      chunk=chunk)
+  sums = jnp.sum(logp * weights, axis=-1).reshape(b, two)
+  counts = jnp.sum(weights, axis=-1).reshape(b, two)
+  return sums, counts, (logp, weights)
+
+
+def make_loss_fn(graphdef, cfg: DpoLossConfig, *, impl: str = "auto", chunk: int = 4096):
+  def loss_fn(params, batch):
+    logps, counts, (token_logp, weights) = sequence_logps(graphdef, params, batch, impl=impl, chunk=chunk)
+    c, r = logps[:, 0], logps[:, 1]
+    nc, nr = counts[:, 0], counts[:, 1]
+    chosen_nll = -c / jnp.maximum(nc, 1.0)
+    t = cfg.loss_type
+    if t == "simpo":
+      losses, rc, rr = dpo_losses.simpo_loss(c, r, nc, nr, beta=cfg.beta, gamma=cfg.simpo_gamma,
+                                             label_smoothing=cfg.label_smoothing)
+    elif t == "cpo":
+      losses, rc, rr = dpo_losses.cpo_loss(c, r, chosen_nll, beta=cfg.beta, alpha=cfg.cpo_alpha,
+                                           label_smoothing=cfg.label_smoothing)
+    elif t == "orpo":  # TRL's ORPOTrainer reports beta x average log-probs as rewards
+      losses, _ = dpo_losses.orpo_loss(c, r, nc, nr, chosen_nll, lam=cfg.beta)
+      rc, rr = cfg.beta * c / jnp.maximum(nc, 1.0), cfg.beta * r / jnp.maximum(nr, 1.0)
+    else:
+      losses, rc, rr = dpo_losses.dpo_loss(c, r, batch["ref_chosen_logps"], batch["ref_rejected_logps"],
+                                           beta=cfg.beta, loss_type=t, label_smoothing=cfg.label_smoothing,
+                                           chosen_lengths=nc, rejected_lengths=nr, discopop_tau=cfg.discopop_tau)
+    pairs = losses.shape[0]
+    loss_sum = jnp.sum(losses)
+    sums = {}
+    if cfg.rpo_alpha:
+      chosen_w = weights.reshape(pairs, 2, -1)[:, 0]
+      chosen_lp = token_logp.reshape(pairs, 2, -1)[:, 0]
+      nll = -jnp.sum(chosen_lp * chosen_w) / jnp.maximum(jnp.sum(chosen_w), 1.0)
+      loss_sum = loss_sum + cfg.rpo_alpha * nll * pairs  # the step divides by the pair count
+      sums["nll_loss"] = nll * pairs
+    rc, rr = jax.lax.stop_gradient(rc), jax.lax.stop_gradient(rr)
+    sums.update({"rewards/chosen": jnp.sum(rc), "rewards/rejected": jnp.sum(rr),
+                 "rewards/accuracies": jnp.sum((rc > rr).astype(jnp.float32)), "rewards/margins": jnp.sum(rc - rr),
+                 "logps/chosen": jnp.sum(jax.lax.stop_gradient(c)),
+                 "logps/rejected": jnp.sum(jax.lax.stop_gradient(r))})
+    return loss_sum, jnp.asarray(pairs, jnp.float32), sums
+  return loss_fn

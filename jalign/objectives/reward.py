@@ -1,0 +1,70 @@
+"""Bradley-Terry reward models: a decoder backbone plus a scalar head read at each sequence's last real token.
+
+Loss per pair (Ouyang et al. 2022, eq. 1; TRL's RewardTrainer): -log sigmoid(r_chosen - r_rejected - margin), plus
+`center_rewards_coefficient * (r_chosen + r_rejected)^2` (Eisenstein et al. 2023) to keep rewards centred on zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jalign.models.decoder import Decoder
+from jalign.models.heads import ScalarHead
+
+
+def last_token_index(mask_BxT: jax.Array) -> jax.Array:
+  """Index of each row's last real token (right or left padding)."""
+  positions = jnp.arange(mask_BxT.shape[1])
+  return jnp.max(jnp.where(mask_BxT > 0, positions, -1), axis=1)
+
+
+class RewardModel(nnx.Module):
+  def __init__(self, backbone: Decoder, head: ScalarHead):
+    self.backbone = backbone
+    self.head = head
+
+  @property
+  def cfg(self):
+    return self.backbone.cfg
+
+  def score(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None
+            ) -> jax.Array:
+    """Scores [B] of (right- or left-) padded sequences; `segment_ids` is 1 on real tokens, 0 on padding. Pure and
+    jittable: RL loops call it inside their own jitted scoring step."""
+    if positions_BxT is None:
+      positions_BxT = jnp.maximum(jnp.cumsum(segment_ids_BxT, axis=1) - 1, 0)
+    hidden, _ = self.backbone.forward(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT)
+    last = last_token_index(segment_ids_BxT)
+    hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # the head on one token per row
+    return self.head(hidden_last)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardLossConfig:
+  center_rewards_coefficient: float = 0.0
+
+
+def pair_scores(rm: RewardModel, batch: dict) -> jax.Array:
+  """[B, 2] scores (chosen, rejected) of a preference batch laid out [B, 2, L]."""
+  b, two, length = batch["tokens"].shape
+  flat = lambda x: x.reshape(b * two, length)
+  return rm.score(flat(batch["tokens"]), flat(batch["segment_ids"]), flat(batch["positions"])).reshape(b, two)
+
+
+def make_loss_fn(graphdef, cfg: RewardLossConfig):
+  def loss_fn(params, batch):
+    rm = nnx.merge(graphdef, params)
+    scores = pair_scores(rm, batch)
+    chosen, rejected = scores[:, 0], scores[:, 1]
+    diff = chosen - rejected
+    losses = -jax.nn.log_sigmoid(diff - batch["margin"])
+    if cfg.center_rewards_coefficient:
+      losses = losses + cfg.center_rewards_coefficient * (chosen + rejected) ** 2
+    n = jnp.asarray(losses.shape[0], jnp.float32)
+    sums = {"accuracy": jnp.sum((diff > 0).astype(jnp.float32)), "margin": jnp.sum(diff),
+            "rewards/chosen": jnp.sum(chosen), "rewards/rejected": jnp.sum(rejected)}
+    return jnp.sum(losses), n, sums
+  return loss_fn

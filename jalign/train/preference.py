@@ -1,0 +1,93 @@
+"""What reward-model and DPO tasks share: pair data with checks before training, and batched scoring of a held-out
+set on the mesh."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jalign import parallel
+from jalign.config import RunConfig
+from jalign.data import preference
+from jalign.data.sources import DataError, open_source
+from jalign.data.sft import TooLong
+from jalign.train import loop
+
+
+class PreferenceTask(loop.Task):
+  def __init__(self, cfg: RunConfig):
+    self.cfg = cfg
+    self.buckets = tuple(sorted(cfg.data.buckets)) or (cfg.train.seq_len,)
+    self.batch_fn = preference.pair_batch(self.buckets)
+    self.stats: dict[str, preference.PairStats] = {}
+    self._sources: dict[str, object] = {}
+    self.tok = None
+
+  def encode(self, record, *, tok, max_length, truncation):
+    return preference.encode(record, tok, max_length=max_length, truncation=truncation)
+
+  def _encode_fn(self) -> Callable[[dict], dict]:
+    d = self.cfg.data
+    return lambda r: preference.encode(r, self.tok, max_length=d.max_length, truncation=d.truncation)
+
+  def start(self, setup: loop.Setup) -> None:
+    self.tok = setup.tok
+    self.mesh = setup.mesh
+    for spec in filter(None, (self.cfg.data.train, self.cfg.data.eval)):
+      self.checked_source(spec)
+
+  def open_source(self, spec: str, *, train: bool):
+    return self.checked_source(spec)
+
+  def checked_source(self, spec: str):
+    """The source of `spec`, read once through the pair checks (reported; fatal under data.pair_checks='error')."""
+    if spec in self._sources:
+      return self._sources[spec]
+    d = self.cfg.data
+    source = open_source(spec)
+    stats = preference.check_pairs(source, self._encode_fn(), limit=d.check_records,
+                                   skip_bad_records=d.skip_bad_records)
+    self.stats[spec] = stats
+    if d.pair_checks != "off":
+      print(f"preference data {spec}: {stats.summary()}", flush=True)
+      problems = stats.problems(d.max_length_ratio)
+      if problems and d.pair_checks == "error":
+        raise DataError(f"{spec}: " + "; ".join(problems) + " (data.pair_checks='error'; 'warn' reports and "
+                        "continues)")
+      for p in problems:
+        print(f"warning: {spec}: {p}", flush=True)
+    self._sources[spec] = self.wrap_source(spec, source)
+    return self._sources[spec]
+
+  def wrap_source(self, spec: str, source):
+    return source
+
+  def examples(self, spec: str, limit: int = 0) -> list[dict]:
+    """Encoded pairs of `spec` (the first `limit`; 0 = all), skipping those the pipeline would skip."""
+    source = self.checked_source(spec)
+    encode = self._encode_fn()
+    out = []
+    for i in range(len(source) if not limit else min(limit, len(source))):
+      try:
+        out.append(encode(source[i]))
+      except TooLong:
+        continue
+      except DataError:
+        if not self.cfg.data.skip_bad_records:
+          raise
+    return out
+
+  def map_batches(self, examples: list[dict], fn: Callable[[dict], object]) -> list:
+    """fn(device batch) for batches of train.batch_size pairs (the last one padded by repetition); returns the
+    host outputs, each cut to its real rows along the leading axis."""
+    rows = self.cfg.train.batch_size
+    sharding = parallel.batch_sharding(self.mesh)
+    outs = []
+    for start in range(0, len(examples), rows):
+      chunk = examples[start:start + rows]
+      host = self.batch_fn(chunk + [chunk[-1]] * (rows - len(chunk)))
+      device = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}
+      out = jax.device_get(fn(device))
+      outs.append(jax.tree.map(lambda x: np.asarray(x)[:len(chunk)], out))
+    return outs

@@ -1,0 +1,156 @@
+"""Reward-model and DPO tasks end to end: TRL parity of the DPO loss, HF sequence-classification export read by
+transformers, precomputed reference log-probs, TR-DPO resume, and bad configs."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jalign import tokenizer
+from jalign.config import ConfigError
+from jalign.train import dpo as dpo_task, reward as reward_task
+from tests.configs_util import ROOT, run_config
+
+ASSETS = os.path.join(ROOT, "jalign", "assets")
+PAIRS = [json.loads(line) for line in open(os.path.join(ASSETS, "arith_prefs", "test.jsonl"))][:8]
+QUIET = dict(log__progress=False, log__tensorboard=False, log__jsonl=True)
+
+
+def _data(tmp_path, records=PAIRS):
+  path = tmp_path / "pairs.jsonl"
+  with open(path, "w") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+  return str(path)
+
+
+def _metrics(run_dir) -> list[dict]:
+  return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def _hf_llama(tmp_path, seed=0):
+  """A tiny random HF Llama over the arithmetic tokenizer, saved with that tokenizer."""
+  from tests import hf_reference
+  model = hf_reference.build("llama", seed=seed, vocab_size=288, max_position_embeddings=64, pad_token_id=0,
+                             eos_token_id=2)
+  path = str(tmp_path / "hf_llama")
+  model.save_pretrained(path)
+  tokenizer.load(os.path.join(ASSETS, "arith_tokenizer")).save(path)
+  return model, path
+
+
+def test_dpo_loss_matches_trl_dpo_trainer(tmp_path):
+  """Same tiny Llama, same 8 pairs as one batch per step, same AdamW: the per-step losses agree; step 1 is ln 2."""
+  import datasets
+  import transformers
+  from trl import DPOConfig, DPOTrainer
+
+  steps, lr = 4, 1e-3
+  _, path = _hf_llama(tmp_path)
+  trl_losses = []
+
+  class Recorder(DPOTrainer):
+    def compute_loss(self, *args, **kwargs):
+      loss = super().compute_loss(*args, **kwargs)
+      trl_losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+      return loss
+
+  args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=steps, learning_rate=lr,
+                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, beta=0.1,
+                   adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", logging_steps=1,
+                   save_strategy="no", report_to=[], use_cpu=True, max_length=64, seed=0, dataloader_num_workers=0)
+  ds = datasets.Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in PAIRS])
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  policy = transformers.AutoModelForCausalLM.from_pretrained(path)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(path)
+  Recorder(model=policy, ref_model=reference, args=args, train_dataset=ds, processing_class=tok).train()
+
+  run_dir = str(tmp_path / "jalign")
+  cfg = run_config("dpo", model__path=path, data__train=_data(tmp_path), data__eval="", data__max_length=64,
+                   train__seq_len=64, train__steps=steps, train__batch_size=8, train__log_every=1, optim__lr=lr,
+                   optim__schedule="constant", optim__warmup_steps=0, optim__clip_norm=0.0, optim__weight_decay=0.0,
+                   optim__b2=0.999, dpo__eval_prompts="", checkpoint__export_hf=False, checkpoint__every=0,
+                   run_dir=run_dir, **QUIET)
+  dpo_task.run(cfg)
+  ours = [m["train/loss"] for m in _metrics(run_dir) if "train/loss" in m]
+  assert len(trl_losses) == steps and len(ours) == steps
+  assert ours[0] == pytest.approx(np.log(2), abs=1e-6) and trl_losses[0] == pytest.approx(np.log(2), abs=1e-6)
+  np.testing.assert_allclose(ours, trl_losses, rtol=2e-4, atol=2e-5)
+  assert ours[-1] < ours[0] - 2e-3  # the losses moved: the comparison is not of constants
+
+
+def test_reward_model_exports_hf_sequence_classifier(tmp_path):
+  """The exported checkpoint loads in transformers as *ForSequenceClassification with the same scores, and loads
+  back into jalign with its trained head."""
+  import torch
+  import transformers
+
+  from jalign.data import preference
+  from jalign.objectives.reward import pair_scores
+
+  run_dir = str(tmp_path / "rm")
+  cfg = run_config("rm", run_dir=run_dir, data__train=_data(tmp_path), data__eval=_data(tmp_path), train__steps=3,
+                   train__eval_examples=8, **QUIET)
+  final = reward_task.run(cfg)
+  assert {"eval/pairwise_accuracy", "eval/spearman", "eval/kendall"} <= set(final)
+  hf_dir = os.path.join(run_dir, "hf")
+  config = json.load(open(os.path.join(hf_dir, "config.json")))
+  assert config["architectures"] == ["LlamaForSequenceClassification"]
+
+  tok = tokenizer.load(hf_dir)
+  examples = [preference.encode(r, tok, max_length=32) for r in PAIRS]
+  batch = preference.pair_batch((32,))(examples)
+  ids = torch.tensor(batch["tokens"].reshape(16, 32), dtype=torch.long)
+  hf = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
+  with torch.no_grad():
+    theirs = hf(input_ids=ids, attention_mask=torch.tensor(batch["segment_ids"].reshape(16, 32))).logits[:, 0]
+
+  reloaded = run_config("rm", model__path=hf_dir, run_dir=str(tmp_path / "again"))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  rm = reward_task.load_reward_model(reloaded, mesh)
+  ours = np.asarray(pair_scores(rm, {k: jax.numpy.asarray(v) for k, v in batch.items()})).reshape(16)
+  np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4)
+  assert np.std(ours) > 1e-3  # a trained, non-constant head
+
+
+def test_precomputed_reference_logps_give_the_same_run(tmp_path):
+  common = dict(data__train=_data(tmp_path), data__eval="", train__steps=3, train__batch_size=8, dpo__eval_prompts="",
+                checkpoint__export_hf=False, **QUIET)
+  online, pre = str(tmp_path / "online"), str(tmp_path / "pre")
+  dpo_task.run(run_config("dpo", run_dir=online, **common))
+  dpo_task.run(run_config("dpo", run_dir=pre, dpo__precompute_ref_logps=True, **common))
+  stored = [json.loads(line) for line in open(os.path.join(pre, "ref_logps", "pairs.jsonl"))]
+  assert len(stored) == 8 and all(np.isfinite(r["ref_chosen_logps"]) for r in stored)
+  a = [m["train/loss"] for m in _metrics(online) if "train/loss" in m]
+  b = [m["train/loss"] for m in _metrics(pre) if "train/loss" in m]
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_tr_dpo_resume_restores_the_synced_reference(tmp_path):
+  common = dict(data__train=_data(tmp_path), data__eval="", train__batch_size=8, dpo__eval_prompts="",
+                dpo__sync_ref_model=True, dpo__ref_model_sync_steps=2, dpo__ref_model_mixup_alpha=0.5,
+                optim__schedule="constant", optim__warmup_steps=0, checkpoint__every=0, train__log_every=1, **QUIET)
+  clean, split = str(tmp_path / "clean"), str(tmp_path / "split")
+  dpo_task.run(run_config("dpo", run_dir=clean, train__steps=6, **common))
+  dpo_task.run(run_config("dpo", run_dir=split, train__steps=3, **common))
+  dpo_task.run(run_config("dpo", run_dir=split, train__steps=6, **common))
+  a = {m["step"]: m["train/loss"] for m in _metrics(clean) if "train/loss" in m}
+  b = {m["step"]: m["train/loss"] for m in _metrics(split) if "train/loss" in m}
+  for step in (4, 5, 6):  # after the resume, only a restored (synced) reference gives the same losses
+    assert b[step] == pytest.approx(a[step], rel=1e-6), step
+  assert a[3] != pytest.approx(a[2], rel=1e-3)
+
+
+@pytest.mark.parametrize("task, overrides, message", [
+    ("dpo", dict(data__packing=True), "config.data.packing=True: dpo batches whole preference pairs"),
+    ("dpo", dict(dpo__loss_type="sigmoidd"), "config.dpo.loss_type: 'sigmoidd' is not accepted; accepted: 'sigmoid'"),
+    ("dpo", dict(dpo__sync_ref_model=True, dpo__precompute_ref_logps=True), "go stale"),
+    ("dpo", dict(dpo__loss_type="exo_pair"), "exo_pair' needs 0 < label_smoothing < 1"),
+    ("dpo", dict(dpo__beta=0.0), "config.dpo.beta=0.0: must be positive"),
+    ("rm", dict(rm__head="mlp"), "sequence-classification checkpoint holds one linear score"),
+    ("rm", dict(data__max_length=64), "config.data.max_length=64 exceeds config.train.seq_len=32"),
+])
+def test_bad_preference_configs(task, overrides, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    run_config(task, **overrides)
