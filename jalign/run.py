@@ -53,8 +53,8 @@ def main(argv):
   except ConfigError as e:
     raise SystemExit(f"config error: {e}") from None
   final = TASKS[cfg.task](cfg)
-  summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())
-                      if k.startswith(("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/")))
+  shown = ("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/")
+  summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(shown))
   print(f"done: {summary}", flush=True)
 
 

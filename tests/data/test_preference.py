@@ -1,4 +1,5 @@
-"""Preference pairs: both styles encoded as TRL tokenizes them, truncation, batching whole pairs, checks, bad records."""
+"""Preference pairs: both styles encoded as TRL tokenizes them, truncation, whole pairs per batch, checks, bad
+records."""
 import functools
 import json
 import os
