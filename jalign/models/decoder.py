@@ -15,6 +15,8 @@ import numpy as np
 from flax import nnx
 
 from jalign.models.attention import apply_rope, attention_mask, gqa_attention, positions_from_mask
+
+_build_mask = attention_mask  # forward()'s `attention_mask` argument shadows the name there
 from jalign.models.config import ModelConfig
 from jalign.models.sharding import AXES, DEFAULT_RULES, state_shardings
 
@@ -114,8 +116,9 @@ def _dense(x, w, in_dims: int = 1):
 
 
 def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
-                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index):
-  """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None."""
+                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index, mask_BxTxS=None):
+  """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None. `mask_BxTxS`:
+  the attention mask when the caller built it once for all layers."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
   h = rms_norm(x_BxTxD, lp["attn_norm"], cfg)
@@ -135,7 +138,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     values = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), cache_index, axis=1)
     new_kv = (keys, values)
     keys, values = keys.astype(dt), values.astype(dt)
-  mask = attention_mask(q_segment_BxT, k_segment, q_index_T, window)
+  mask = attention_mask(q_segment_BxT, k_segment, q_index_T, window) if mask_BxTxS is None else mask_BxTxS
   attn = gqa_attention(q, keys, values, mask, scale=cfg.scale, softcap=cfg.attn_softcap)
   out = _dense(attn, w("o"), in_dims=2)
   if cfg.out_bias:
@@ -233,10 +236,18 @@ class Decoder(nnx.Module):
       return rms_norm(x, self.final_norm[...], cfg), cache
 
     layer = _remat(decoder_layer, cfg.remat)
+    # The [B, T, T] masks are built once here, not in every layer: one per distinct window (at most two).
+    masks = {int(w): _build_mask(segment_ids_BxT, segment_ids_BxT, q_index_T, int(w)) for w in set(windows_L)}
 
     def body(x, xs):
       lp, window, inv_freq = xs
-      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, None, cache_index)[0], None
+      if len(masks) == 1:
+        mask = next(iter(masks.values()))
+      else:
+        (w_a, mask_a), (_, mask_b) = sorted(masks.items())
+        mask = jnp.where(window == w_a, mask_a, mask_b)
+      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, None, cache_index,
+                   mask)[0], None
 
     xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2))
     if cfg.scan_layers:
