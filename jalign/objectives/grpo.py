@@ -1,13 +1,16 @@
 """GRPO / PPO-style policy update on sampled sequences: clipped surrogate + KL to the reference + entropy bonus.
 
 Batch layout (all [N, ...]): `tokens` [N, P+R] = left-padded prompt then response, `segment_ids`/`positions` for the
-forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R]. The
+forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R]. Without
+`old_logp` the update is on-policy (one epoch, one mini-batch): the old policy is the current one, so its log-probs
+are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. The
 loss comes back as (numerator, denominator) so the train step normalises over the global batch.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -45,7 +48,8 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, impl: str = "auto", chunk: int =
   def loss_fn(params, batch):
     logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, impl, chunk)
     mask = batch["response_mask"].astype(jnp.float32)
-    pg, metrics = policy.policy_loss_matrix(logp, batch["old_logp"], batch["advantages"], mask,
+    old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
                                             mode=cfg.mode)
     kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind)

@@ -180,7 +180,7 @@ def run(cfg: RunConfig) -> dict:
       if behaviour is not None:  # offline: importance ratios against the stored behaviour log-probs
         batch["old_logp"] = behaviour
       device_batch = loop.global_batch(batch, batch_sharding)
-      if behaviour is None:
+      if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1):  # else on-policy: see objectives.grpo
         device_batch["old_logp"] = logprobs(state.params, device_batch)
       device_batch["ref_logp"] = logprobs(reference, device_batch)
 

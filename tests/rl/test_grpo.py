@@ -77,3 +77,34 @@ def test_offline_buffer_checks_group_sizes(tmp_path):
     OfflineBuffer(str(tmp_path), 4, 8)
   with pytest.raises(ValueError, match="group 0 has a 2-token response, longer than sampling.max_new_tokens=1"):
     OfflineBuffer(str(tmp_path), 3, 1)
+
+
+def test_on_policy_update_skips_the_old_policy_forward():
+  """Without `old_logp`, the loss and gradients equal those with the old log-probs from a separate forward at the
+  same parameters (the on-policy case: ratio 1)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from jalign import models
+  from jalign.objectives import grpo
+
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=16)
+  graphdef, state = nnx.split(models.create(cfg, seed=0))
+  params = nnx.to_pure_dict(state)
+  rng = np.random.RandomState(0)
+  n, p, r = 4, 6, 5
+  batch = {"tokens": jnp.asarray(rng.randint(1, 64, (n, p + r)), jnp.int32),
+           "segment_ids": jnp.ones((n, p + r), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(p + r), (n, p + r)),
+           "response_mask": jnp.asarray(np.arange(r)[None] < rng.randint(1, r + 1, (n, 1)), jnp.int32),
+           "advantages": jnp.asarray(rng.randn(n, r), jnp.float32), "ref_logp": jnp.asarray(-rng.rand(n, r) * 4)}
+  batch["response"] = batch["tokens"][:, p:]
+  loss_fn = grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(kl_coef=0.1, entropy_coef=0.01))
+  with_old = {**batch, "old_logp": grpo.response_logprobs(graphdef, params, batch, 1.0)[0]}
+  a = jax.value_and_grad(lambda prm: loss_fn(prm, batch)[0])(params)
+  b = jax.value_and_grad(lambda prm: loss_fn(prm, with_old)[0])(params)
+  np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
+  for ga, gb in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
+    np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-7)
