@@ -164,7 +164,7 @@ class RewardModelSection:
   center_rewards_coefficient: float = 0.0   # TRL: + coef * (r_c + r_r)^2 (Eisenstein et al. 2023); 0 = off
 
 
-DPO_LOSS_TYPES = PAIRED + REFERENCE_FREE
+DPO_LOSS_TYPES = PAIRED + REFERENCE_FREE + ("kto",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +176,8 @@ class DpoSection:
   cpo_alpha: float = 1.0               # CPO: weight of the chosen NLL
   discopop_tau: float = 0.05
   rpo_alpha: float = 0.0               # RPO (Pang et al. 2024): + alpha x token-mean NLL of the chosen; 0 = off
+  desirable_weight: float = 1.0        # KTO (unpaired prompt/completion/label data, or pairs split in two)
+  undesirable_weight: float = 1.0
   precompute_ref_logps: bool = False   # one reference pass over the data before training, then no reference forward
   sync_ref_model: bool = False         # TR-DPO (Gorbatovski et al. 2024): ref = a * policy + (1 - a) * ref ...
   ref_model_mixup_alpha: float = 0.6
@@ -374,6 +376,15 @@ def _validate_preference(cfg: RunConfig) -> None:
     raise ConfigError(f"config.dpo.label_smoothing={p.label_smoothing}: must be in [0, 0.5)")
   if p.rpo_alpha < 0:
     raise ConfigError(f"config.dpo.rpo_alpha={p.rpo_alpha}: must be >= 0")
+  if p.loss_type == "kto":
+    if p.precompute_ref_logps:
+      raise ConfigError("config.dpo.precompute_ref_logps=True: KTO's KL sequences pair each prompt with another "
+                        "example's completion of the same batch, so their reference log-probs depend on batching; "
+                        "set precompute_ref_logps=False")
+    if p.rpo_alpha:
+      raise ConfigError("config.dpo.rpo_alpha applies to paired losses, not loss_type='kto'")
+    if p.desirable_weight <= 0 or p.undesirable_weight <= 0:
+      raise ConfigError("config.dpo.desirable_weight and undesirable_weight must be positive")
   if p.sync_ref_model:
     if p.precompute_ref_logps:
       raise ConfigError("config.dpo.sync_ref_model=True with precompute_ref_logps=True: precomputed reference "

@@ -227,3 +227,111 @@ def check_pairs(source, encode_fn: Callable[[dict], dict], *, limit: int = 0, sk
   stats.has_gold = gold == stats.pairs
   stats.has_ref_logps = ref == stats.pairs
   return stats
+
+
+# ------------------------------------------------------------------------------------------ unpaired (KTO)
+
+def encode_unpaired(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "keep_start") -> dict:
+  """KTO examples of one record: an unpaired `{"prompt", "completion", "label": bool}` (TRL's layout; plain or
+  conversational) gives one, a preference pair gives two (chosen desirable, rejected undesirable).
+  Returns {"examples": [(prompt_ids, completion_ids, completion_mask, label), ...]}."""
+  if not isinstance(record, dict):
+    raise DataError(f"expected an object, found {type(record).__name__}")
+  if "chosen" in record or "rejected" in record:
+    ex = encode(record, tok, max_length=max_length, truncation=truncation)
+    out = []
+    for side, label in (("chosen", 1.0), ("rejected", 0.0)):
+      ids, mask = ex[side], ex[side + "_mask"]
+      plen = _prompt_length(mask)
+      out.append((ids[:plen], ids[plen:], mask[plen:], label))
+    return {"examples": out}
+  for key in ("prompt", "completion", "label"):
+    if key not in record:
+      raise DataError(f"record has no {key!r} field (keys: {sorted(record)}); KTO needs 'prompt', 'completion' and "
+                      "a boolean 'label', or a preference pair")
+  if not isinstance(record["label"], bool):
+    raise DataError(f"field 'label' must be true or false, found {record['label']!r:.40}")
+  prompt, completion = record["prompt"], record["completion"]
+  if isinstance(prompt, list) != isinstance(completion, list):
+    raise DataError("record mixes plain text and message lists")
+  style = "conversational" if isinstance(prompt, list) else "plain"
+  try:
+    prompt = _check_messages(prompt, "prompt") if style == "conversational" else _check_text(prompt, "prompt")
+    ids, mask = _encode_side(tok, style, prompt, completion, "completion")
+  except ChatTemplateError as e:
+    raise DataError(str(e)) from None
+  plen = _prompt_length(mask)
+  if plen >= max_length:
+    if truncation == "drop":
+      raise TooLong(f"prompt has {plen} tokens, not fewer than max_length={max_length}")
+    raise DataError(f"prompt has {plen} tokens, not fewer than max_length={max_length}")
+  if len(ids) > max_length:
+    if truncation == "drop":
+      raise TooLong(f"{len(ids)} tokens, more than max_length={max_length} (truncation='drop')")
+    if truncation == "keep_start":
+      ids, mask = ids[:max_length], mask[:max_length]
+    else:
+      cut = len(ids) - max_length
+      if cut >= plen:
+        raise DataError(f"the completion alone is longer than max_length={max_length}")
+      ids, mask, plen = ids[cut:], mask[cut:], plen - cut
+  return {"examples": [(ids[:plen], ids[plen:], mask[plen:], 1.0 if record["label"] else 0.0)]}
+
+
+def kto_batch(buckets: tuple[int, ...]) -> Callable:
+  """Flattens the records' examples into N rows laid out [N, 2, L]: index 0 = prompt_j + completion_j, index 1 =
+  the KL sequence prompt_j + completion_{j-k} (k = examples per record, so a pair's two completions never meet
+  their own prompt): TRL's mismatched pairs for KTO's batch KL estimate. Sequences longer than the largest bucket
+  (only KL sequences can be) are cut there."""
+  def batch(records: list[dict]) -> dict:
+    rows = [e for r in records for e in r["examples"]]
+    k = len(records[0]["examples"])
+    n = len(rows)
+    seqs = []
+    for j, (p, c, m, _) in enumerate(rows):
+      _, kc, km, _ = rows[(j - k) % n]
+      seqs.append([(np.concatenate([p, c]), np.concatenate([np.zeros_like(p), m])),
+                   (np.concatenate([p, kc]), np.concatenate([np.zeros_like(p), km]))])
+    longest = max(len(ids) for pair in seqs for ids, _ in pair)
+    length = next((b for b in buckets if b >= longest), buckets[-1])
+    def pad(x):
+      x = x[:length]
+      return np.pad(x, (0, length - len(x)))
+    tokens = np.asarray([[pad(ids) for ids, _ in pair] for pair in seqs], np.int32)
+    mask = np.asarray([[pad(m) for _, m in pair] for pair in seqs], np.int32)
+    real = np.asarray([[pad(np.ones_like(ids)) for ids, _ in pair] for pair in seqs], np.int32)
+    nan = np.full(n, np.nan, np.float32)
+    return {"tokens": tokens, "loss_mask": mask, "segment_ids": real,
+            "positions": np.where(real > 0, np.arange(length), 0).astype(np.int32),
+            "label": np.asarray([r[3] for r in rows], np.float32), "ref_logps": nan, "ref_kl_logps": nan.copy()}
+  return batch
+
+
+def check_unpaired(source, encode_fn: Callable[[dict], dict], *, limit: int = 0, skip_bad_records: bool = False
+                   ) -> tuple[int, int]:
+  """(desirable, undesirable) example counts; DataError naming file:line for a bad record (unless skipped) or
+  when records give different numbers of examples (pairs and unpaired records mixed in one dataset)."""
+  counts = [0, 0]
+  per_record = None
+  for i in range(len(source) if not limit else min(limit, len(source))):
+    where = source.where(i)
+    try:
+      examples = encode_fn(source[i])["examples"]
+      if per_record is None:
+        per_record = (len(examples), where)
+      elif len(examples) != per_record[0]:
+        raise DataError(f"{'a preference pair' if len(examples) == 2 else 'an unpaired record'} in a dataset whose "
+                        f"first record ({per_record[1]}) is {'a pair' if per_record[0] == 2 else 'unpaired'}; use "
+                        "one layout per dataset")
+    except TooLong:
+      continue
+    except DataError as e:
+      if skip_bad_records:
+        continue
+      msg = str(e) if str(e).startswith(where.split(":")[0]) else f"{where}: {e}"
+      raise DataError(msg) from None
+    for e in examples:
+      counts[0 if e[3] else 1] += 1
+  if not sum(counts):
+    raise DataError(f"{getattr(source, 'path', 'data source')}: no usable examples")
+  return counts[0], counts[1]

@@ -26,6 +26,8 @@ class DpoLossConfig:
   cpo_alpha: float = 1.0
   discopop_tau: float = 0.05
   rpo_alpha: float = 0.0
+  desirable_weight: float = 1.0      # KTO
+  undesirable_weight: float = 1.0
 
 
 def sequence_logps(graphdef, params, batch: dict, *, impl: str = "auto", chunk: int = 4096):
@@ -43,7 +45,35 @@ def sequence_logps(graphdef, params, batch: dict, *, impl: str = "auto", chunk: 
   return sums, counts, (logp, weights)
 
 
+def make_kto_loss_fn(graphdef, cfg: DpoLossConfig, *, impl: str = "auto", chunk: int = 4096):
+  """KTO on a `kto_batch` [N, 2, L] (0 = the example, 1 = its mismatched KL sequence). The KL sequences go through
+  the policy with the gradient stopped (a separate forward, so no backward runs over them), as TRL does under
+  no_grad; their mean log-ratio, clamped at 0, is the reference point. Loss: mean over the N examples."""
+  def loss_fn(params, batch):
+    example = {k: v[:, :1] for k, v in batch.items() if k in ("tokens", "loss_mask", "segment_ids", "positions")}
+    mismatched = {k: v[:, 1:] for k, v in batch.items() if k in ("tokens", "loss_mask", "segment_ids", "positions")}
+    logps = sequence_logps(graphdef, params, example, impl=impl, chunk=chunk)[0][:, 0]
+    kl_logps = sequence_logps(graphdef, jax.lax.stop_gradient(params), mismatched, impl=impl, chunk=chunk)[0][:, 0]
+    desirable = batch["label"] > 0
+    losses, rewards, kl = dpo_losses.kto_loss(logps, batch["ref_logps"], desirable, kl_logps, batch["ref_kl_logps"],
+                                              beta=cfg.beta, desirable_weight=cfg.desirable_weight,
+                                              undesirable_weight=cfg.undesirable_weight)
+    n = jnp.asarray(losses.shape[0], jnp.float32)
+    d = desirable.astype(jnp.float32)
+    # Class means within the batch, scaled by N so the step's division by N leaves the mean.
+    mean_of = lambda x, w: jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1.0) * n
+    sums = {"kl": kl * n, "rewards/chosen": mean_of(rewards, d), "rewards/rejected": mean_of(rewards, 1 - d),
+            "logps/chosen": mean_of(jax.lax.stop_gradient(logps), d),
+            "logps/rejected": mean_of(jax.lax.stop_gradient(logps), 1 - d)}
+    sums["rewards/margins"] = sums["rewards/chosen"] - sums["rewards/rejected"]
+    return jnp.sum(losses), n, sums
+  return loss_fn
+
+
 def make_loss_fn(graphdef, cfg: DpoLossConfig, *, impl: str = "auto", chunk: int = 4096):
+  if cfg.loss_type == "kto":
+    return make_kto_loss_fn(graphdef, cfg, impl=impl, chunk=chunk)
+
   def loss_fn(params, batch):
     logps, counts, (token_logp, weights) = sequence_logps(graphdef, params, batch, impl=impl, chunk=chunk)
     c, r = logps[:, 0], logps[:, 1]

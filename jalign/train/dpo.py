@@ -1,4 +1,5 @@
-"""The DPO task: the DPO family on preference pairs against a frozen reference (the initial policy).
+"""The DPO task: the DPO family on preference pairs against a frozen reference (the initial policy); KTO
+(`dpo.loss_type='kto'`) on unpaired prompt/completion/label data or on pairs split into their two completions.
 
 Reference log-probs come, in order of preference: from the data (`ref_chosen_logps` / `ref_rejected_logps` on every
 pair of every split); from one offline pass before training (`dpo.precompute_ref_logps`; written next to the run as
@@ -19,6 +20,7 @@ from flax import nnx
 
 from jalign import parallel
 from jalign.config import REFERENCE_FREE, RunConfig, reward_spec
+from jalign.data import preference
 from jalign.data.sources import DataError, JsonlSource, open_source
 from jalign.objectives import dpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH
@@ -52,10 +54,35 @@ class DpoTask(PreferenceTask):
     p = cfg.dpo
     self.loss_cfg = objective.DpoLossConfig(
         loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, simpo_gamma=p.simpo_gamma,
-        cpo_alpha=p.cpo_alpha, discopop_tau=p.discopop_tau, rpo_alpha=p.rpo_alpha)
+        cpo_alpha=p.cpo_alpha, discopop_tau=p.discopop_tau, rpo_alpha=p.rpo_alpha,
+        desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight)
+    self.kto = p.loss_type == "kto"
+    if self.kto:
+      self.batch_fn = preference.kto_batch(self.buckets)
     self.reference = None
     self.stored_logps = False   # batches carry reference log-probs: no reference forward per step
     self.initial_accuracy: float | None = None
+
+  def encode(self, record, *, tok, max_length, truncation):
+    fn = preference.encode_unpaired if self.kto else preference.encode
+    return fn(record, tok, max_length=max_length, truncation=truncation)
+
+  def _encode_fn(self):
+    d = self.cfg.data
+    return lambda r: self.encode(r, tok=self.tok, max_length=d.max_length, truncation=d.truncation)
+
+  def checked_source(self, spec: str):
+    if not self.kto:
+      return super().checked_source(spec)
+    if spec not in self._sources:
+      d = self.cfg.data
+      source = open_source(spec)
+      good, bad = preference.check_unpaired(source, self._encode_fn(), limit=d.check_records,
+                                            skip_bad_records=d.skip_bad_records)
+      if d.pair_checks != "off":
+        print(f"KTO data {spec}: {good} desirable and {bad} undesirable examples", flush=True)
+      self._sources[spec] = source
+    return self._sources[spec]
 
   def make_loss_fn(self, graphdef):
     return objective.make_loss_fn(graphdef, self.loss_cfg, impl=self.cfg.logprobs.impl, chunk=self.cfg.logprobs.chunk)
@@ -75,7 +102,7 @@ class DpoTask(PreferenceTask):
       self.reference = jax.tree.map(jnp.copy, setup.state.params)  # frozen: the policy as loaded
     specs = [s for s in (cfg.data.train, cfg.data.eval) if s]
     super().start(setup)  # checks (and with precompute_ref_logps, the reference pass over) every split
-    if self.reference is not None:
+    if self.reference is not None and not self.kto:
       self.stored_logps = p.precompute_ref_logps or all(self.stats[s].has_ref_logps for s in specs)
       if self.stored_logps and not p.sync_ref_model:
         self.reference = None  # not needed again: free its memory
@@ -118,8 +145,10 @@ class DpoTask(PreferenceTask):
   def prepare(self, params, batch: dict) -> dict:
     if self.reference is None or self.stored_logps:
       return batch
-    chosen, rejected = self._ref_fn(self.reference, batch)
-    return {**batch, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+    first, second = self._ref_fn(self.reference, batch)
+    if self.kto:  # the examples and their mismatched KL sequences
+      return {**batch, "ref_logps": first, "ref_kl_logps": second}
+    return {**batch, "ref_chosen_logps": first, "ref_rejected_logps": second}
 
   def after_step(self, step: int, params) -> None:
     p = self.cfg.dpo

@@ -271,16 +271,19 @@ def _make_eval_loss(cfg: RunConfig, s: Setup, task: Task, encode_fn, batch_shard
   """Held-out loss and the objective's metrics (eval/<name>), weighted like the training loss."""
   loss_fn = task.make_loss_fn(s.graphdef)
   sums_fn = jax.jit(lambda params, batch: loss_fn(params, batch))
+  dp_local = max(1, s.mesh.shape["data"] * s.mesh.shape["fsdp"] // jax.process_count())
 
   def evaluate(params) -> dict:
     it, _, _ = data_iterator(cfg, cfg.data.eval, encode_fn, train=False, task=task)
     total, weight, sums = 0.0, 0.0, {}
+    rows = None
     for _ in range(cfg.train.eval_batches):
       try:
         local = next(it)
       except StopIteration:
         break
-      if len(local["tokens"]) * jax.process_count() != cfg.train.batch_size:
+      rows = rows or len(local["tokens"])
+      if len(local["tokens"]) != rows or rows % dp_local:
         break  # a short final batch would not split over the mesh
       l, w, m = jax.device_get(sums_fn(params, task.prepare(params, global_batch(local, batch_sharding))))
       total, weight = total + float(l), weight + float(w)

@@ -155,3 +155,61 @@ def test_tr_dpo_resume_restores_the_synced_reference(tmp_path):
 def test_bad_preference_configs(task, overrides, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     run_config(task, **overrides)
+
+
+def test_kto_loss_matches_trl_kto_trainer(tmp_path):
+  """Unpaired examples (TRL's prompt/completion/label layout), KL sequences from completions cycled by one within
+  the batch: jalign's KTO loss equals KTOTrainer's step by step (step 1 = 0.5: policy = reference, KL = 0)."""
+  import datasets
+  import transformers
+  from trl import KTOConfig, KTOTrainer
+
+  steps, lr = 4, 1e-3
+  _, path = _hf_llama(tmp_path)
+  examples = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+              for r, side in zip(PAIRS, ["chosen", "rejected"] * 4)]
+  trl_losses = []
+
+  class Recorder(KTOTrainer):
+    def compute_loss(self, *args, **kwargs):
+      loss = super().compute_loss(*args, **kwargs)
+      trl_losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+      return loss
+
+  args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=steps, learning_rate=lr,
+                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, beta=0.1,
+                   adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", logging_steps=1,
+                   save_strategy="no", report_to=[], use_cpu=True, max_length=64, seed=0, dataloader_num_workers=0)
+  policy = transformers.AutoModelForCausalLM.from_pretrained(path)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(path)
+  Recorder(model=policy, ref_model=reference, args=args, train_dataset=datasets.Dataset.from_list(examples),
+           processing_class=transformers.AutoTokenizer.from_pretrained(path)).train()
+
+  run_dir = str(tmp_path / "jalign")
+  cfg = run_config("dpo", model__path=path, data__train=_data(tmp_path, examples), data__eval="", data__shuffle=False,
+                   data__max_length=64, train__seq_len=64, train__steps=steps, train__batch_size=8, train__log_every=1,
+                   optim__lr=lr, optim__schedule="constant", optim__warmup_steps=0, optim__clip_norm=0.0,
+                   optim__weight_decay=0.0, optim__b2=0.999, dpo__loss_type="kto", dpo__rpo_alpha=0.0,
+                   dpo__eval_prompts="", checkpoint__export_hf=False, checkpoint__every=0, run_dir=run_dir, **QUIET)
+  dpo_task.run(cfg)
+  ours = [m["train/loss"] for m in _metrics(run_dir) if "train/loss" in m]
+  assert len(trl_losses) == steps and len(ours) == steps
+  assert ours[0] == pytest.approx(0.5, abs=1e-6)
+  np.testing.assert_allclose(ours, trl_losses, rtol=2e-4, atol=2e-5)
+  assert abs(ours[-1] - ours[0]) > 1e-3
+
+
+def test_kto_batches_pair_each_prompt_with_another_completion():
+  from jalign.data import preference
+  tok = tokenizer.load(os.path.join(ASSETS, "arith_tokenizer"))
+  records = [preference.encode_unpaired(r, tok, max_length=64) for r in PAIRS[:3]]  # pairs: 2 examples each
+  batch = preference.kto_batch((64,))(records)
+  assert batch["tokens"].shape == (6, 2, 64)
+  np.testing.assert_array_equal(batch["label"], [1, 0, 1, 0, 1, 0])
+  rows = [e for r in records for e in r["examples"]]
+  for j, (prompt, completion, _, _) in enumerate(rows):
+    other = rows[(j - 2) % 6][1]  # the previous pair's completion: never this prompt's own
+    kl = batch["tokens"][j, 1]
+    np.testing.assert_array_equal(kl[:len(prompt) + len(other)], np.concatenate([prompt, other]))
+    np.testing.assert_array_equal(batch["tokens"][j, 0, :len(prompt) + len(completion)],
+                                  np.concatenate([prompt, completion]))
