@@ -3,7 +3,8 @@
     python -m jalign.run --config=configs/dpo.py              # held-out rewards/accuracies and task accuracy
     python -m jalign.run --config=configs/dpo.py:tiny         # seconds, for tests
 
-Other members of the family: --config.dpo.loss_type=ipo|hinge|robust|...|simpo|cpo|orpo (see jalign.losses.dpo).
+Other members of the family: --config.dpo.loss_type=ipo|hinge|robust|...|simpo|cpo|orpo|kto (see jalign.losses.dpo;
+kto also reads unpaired {"prompt", "completion", "label"} data; on pairs it splits each into its two completions).
 The data (`jalign/assets/arith_prefs`) comes from `python -m jalign.data.arith_preferences`.
 """
 import os
