@@ -22,8 +22,8 @@ def get_config(arg=None):
   c.tokenizer = ""
   c.model = ml_collections.ConfigDict(dict(path=os.path.join(ASSETS, "tiny_policy"), dtype="float32",
                                            compute_dtype="", scan_layers=True, remat="none"))
-  c.train = ml_collections.ConfigDict(dict(steps=60, batch_size=8, micro_batches=1, seq_len=128, log_every=5,
-                                           eval_every=20, eval_batches=1, eval_examples=0))
+  c.train = ml_collections.ConfigDict(dict(steps=150, batch_size=8, micro_batches=1, seq_len=128, log_every=5,
+                                           eval_every=50, eval_batches=1, eval_examples=0))
   c.optim = ml_collections.ConfigDict(dict(lr=1e-4, schedule="constant", warmup_steps=0, min_lr_ratio=0.0,
                                            weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, clip_norm=1.0))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
@@ -32,12 +32,13 @@ def get_config(arg=None):
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0,
                                             length_target=0, length_weight=0.0))
   c.grpo = ml_collections.ConfigDict(dict(
-      prompts="synthetic:arith:train", buffer="", prompts_per_step=32, mini_batches=2, ppo_epochs=1,
+      # One on-policy update per step over 64 prompts x 8 samples (no separate old-policy forward).
+      prompts="synthetic:arith:train", buffer="", prompts_per_step=64, mini_batches=1, ppo_epochs=1,
       adv_estimator="grpo",
       clip_low=0.2, clip_high=0.28, loss_mode="vanilla", agg="token-mean", kl_coef=0.001, kl_kind="k3",
       entropy_coef=0.0, dynamic_sampling=True, eval_prompts="synthetic:arith:test", eval_examples=500, max_kl=0.0))
   c.grpo.clip_c = ml_collections.config_dict.placeholder(float)
-  c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=2, resume=True, export_hf=True, async_save=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=2, resume=True, export_hf=True, async_save=True))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
   c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))
