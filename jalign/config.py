@@ -118,6 +118,8 @@ class SamplingSection:
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
   weights: tuple = (("gsm8k", 1.0),)   # (name, weight) pairs from jalign.rl.rewards.REGISTRY
+  model: str = ""                      # a reward model (HF *ForSequenceClassification dir, e.g. configs/rm.py's export)
+  model_weight: float = 1.0            # its score's weight in the reward
   overlong_max_length: int = 0         # DAPO overlong penalty; 0 = off
   overlong_buffer: int = 0
   length_target: int = 0               # linear length penalty; 0 = off
@@ -409,6 +411,21 @@ def _validate_rollout(cfg: RunConfig) -> None:
     raise ConfigError(f"config.sampling: temperature >= 0, 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0 required "
                       f"(got {s.temperature}, {s.top_p}, {s.min_p}, {s.top_k})")
   from jalign.rl.rewards import RewardError
+  w = cfg.reward
+  if not w.weights and not w.model:
+    raise ConfigError("config.reward: no reward configured; set reward.weights (verifiable rewards) and/or "
+                      "reward.model (a reward model checkpoint)")
+  if w.model:
+    import json
+    import os
+    try:
+      with open(os.path.join(w.model, "config.json"), encoding="utf-8") as f:
+        archs = json.load(f).get("architectures") or []
+    except (OSError, json.JSONDecodeError) as e:
+      raise ConfigError(f"config.reward.model={w.model!r}: cannot read its config.json ({e})") from None
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+      raise ConfigError(f"config.reward.model={w.model!r}: architectures {archs} is not a *ForSequenceClassification "
+                        "reward model")
   try:
     reward_spec(cfg)
   except RewardError as e:

@@ -167,8 +167,6 @@ class RewardSpec:
   length_weight: float = 0.0
 
   def __post_init__(self):
-    if not self.weights:
-      raise RewardError("no reward functions configured; available: " + ", ".join(sorted(REGISTRY)))
     for name, _ in self.weights:
       if name not in REGISTRY:
         raise RewardError(f"unknown reward {name!r}; available: {', '.join(sorted(REGISTRY))}")
@@ -183,7 +181,7 @@ class RewardSpec:
   def __call__(self, batch: Batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(total reward [N], per-term scores)."""
     terms = {name: REGISTRY[name](batch) for name, _ in self.weights}
-    total = sum(w * terms[name] for name, w in self.weights)
+    total = sum((w * terms[name] for name, w in self.weights), np.zeros(len(batch.completions), np.float32))
     if self.overlong_max_length:
       terms["overlong"] = overlong_penalty(batch.lengths, max_length=self.overlong_max_length,
                                            buffer=self.overlong_buffer)

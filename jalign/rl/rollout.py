@@ -84,8 +84,9 @@ def left_pad(prompts: list[Prompt], pad_id: int) -> tuple[np.ndarray, np.ndarray
 
 
 def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, rewards: RewardSpec,
-                  policy_id: str, *, mesh=None, rules=None) -> tuple[list[dict], dict[str, float]]:
-  """Records (one per completion, groups consecutive) and batch statistics. `mesh`/`rules`: sampling layout."""
+                  policy_id: str, *, mesh=None, rules=None, model_reward=None) -> tuple[list[dict], dict[str, float]]:
+  """Records (one per completion, groups consecutive) and batch statistics. `mesh`/`rules`: sampling layout;
+  `model_reward`: a `jalign.rl.model_reward.ModelReward` added to the rewards with its weight."""
   ids, mask = left_pad(prompts, tok.pad_id)
   stop = tuple(t for t in (tok.eos_id,) if t is not None)
   out = sampling.generate(lm, ids, mask, rng, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
@@ -97,6 +98,9 @@ def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: Sampling
   completions = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
   owners = [prompts[i // n] for i in range(len(tokens))]
   total, _ = rewards(Batch(completions, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
+  if model_reward is not None:
+    n = spec.num_samples
+    total = total + model_reward.weight * model_reward(np.repeat(ids, n, 0), np.repeat(mask, n, 0), tokens, lengths)
   records = [dict(prompt_index=p.index, group_id=p.index, sample=i % n, prompt_ids=list(map(int, p.ids)),
                   response_ids=tokens[i, :lengths[i]].astype(int).tolist(),
                   behaviour_logprobs=logprobs[i, :lengths[i]].astype(float).tolist(), reward=float(total[i]),

@@ -92,6 +92,10 @@ def run(cfg: RunConfig) -> dict:
   setup = loop.setup(cfg, optimizer)
   mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
   rewards = reward_spec(cfg)
+  model_reward = None
+  if cfg.reward.model:
+    from jalign.rl.model_reward import ModelReward
+    model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
   gen_rules = sampling_rules(cfg)
   metric = next((n for n, _ in rewards.weights if n in NEEDS_GROUND_TRUTH), None)
   max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
@@ -154,6 +158,10 @@ def run(cfg: RunConfig) -> dict:
         owners = [prompts[i // s.num_samples] for i in range(rows)]
         texts = [tok.decode(response[i, :lengths[i]]) for i in range(rows)]
         scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
+        if model_reward is not None:
+          rm_scores = model_reward(np.repeat(ids, s.num_samples, 0), np.repeat(mask, s.num_samples, 0), response,
+                                   lengths)
+          scores = scores + model_reward.weight * rm_scores
       else:
         prompts, response, lengths, scores, behaviour = offline.batch(indices, tok.pad_id)
         ids, mask = left_pad(prompts, tok.pad_id)
@@ -196,6 +204,8 @@ def run(cfg: RunConfig) -> dict:
             sums[k] = sums.get(k, 0.0) + float(v)
       n_updates = g.ppo_epochs * g.mini_batches
       metrics = {k.replace("train/loss", "actor/loss"): v / n_updates for k, v in sums.items()}
+      if model_reward is not None and offline is None:
+        metrics["critic/rm_score/mean"] = float(np.mean(rm_scores))
       metrics.update({"critic/score/mean": float(np.mean(scores)), "response_length/mean": float(np.mean(lengths)),
                       "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
                       "timing_s/step": time.perf_counter() - t0,

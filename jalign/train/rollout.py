@@ -27,6 +27,10 @@ def run(cfg: RunConfig) -> dict:
   s = cfg.sampling
   max_prompt = min(s.max_prompt_length, lm.cfg.max_position_embeddings - s.max_new_tokens)
   rewards = reward_spec(cfg)
+  model_reward = None
+  if cfg.reward.model:
+    from jalign.rl.model_reward import ModelReward
+    model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
   source = open_source(cfg.rollout.prompts)
   total = min(len(source), cfg.rollout.limit) if cfg.rollout.limit else len(source)
   if total == 0:
@@ -52,7 +56,7 @@ def run(cfg: RunConfig) -> dict:
       for i in range(b * per_batch, min((b + 1) * per_batch, total)):
         prompts.append(encode_prompt(source[i], tok, index=i, where=source.where(i), max_length=max_prompt))
       records, stats = rollout_batch(lm, tok, prompts, jax.random.fold_in(key, b), spec, rewards, policy_id,
-                                     mesh=mesh, rules=sampling_rules(cfg))
+                                     mesh=mesh, rules=sampling_rules(cfg), model_reward=model_reward)
       rewards_sum += stats["rollout/reward_mean"] * len(records)
       rewards_n += len(records)
       new_tokens += stats["rollout/new_tokens"]
