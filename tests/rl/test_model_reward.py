@@ -44,3 +44,16 @@ def test_grpo_with_a_reward_model(tmp_path):
   assert np.isfinite(final["critic/rm_score/mean"])
   rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   assert any("critic/rm_score/mean" in r for r in rows)
+
+
+def test_reward_config_errors(tmp_path):
+  import pytest
+
+  from jalign.config import ConfigError
+  with pytest.raises(ConfigError, match=r"config.reward: no reward configured"):
+    run_config("grpo", reward__weights=())
+  policy = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
+  with pytest.raises(ConfigError, match=r"is not a \*ForSequenceClassification reward model"):
+    run_config("grpo", reward__model=policy)
+  with pytest.raises(ConfigError, match=r"cannot read its config.json"):
+    run_config("rollout", reward__model=str(tmp_path / "missing"))
