@@ -416,12 +416,10 @@ def _validate_rollout(cfg: RunConfig) -> None:
     raise ConfigError("config.reward: no reward configured; set reward.weights (verifiable rewards) and/or "
                       "reward.model (a reward model checkpoint)")
   if w.model:
-    import json
-    import os
+    from jalign.models.hf import architectures
     try:
-      with open(os.path.join(w.model, "config.json"), encoding="utf-8") as f:
-        archs = json.load(f).get("architectures") or []
-    except (OSError, json.JSONDecodeError) as e:
+      archs = architectures(w.model)
+    except (OSError, ValueError) as e:
       raise ConfigError(f"config.reward.model={w.model!r}: cannot read its config.json ({e})") from None
     if not any(a.endswith("ForSequenceClassification") for a in archs):
       raise ConfigError(f"config.reward.model={w.model!r}: architectures {archs} is not a *ForSequenceClassification "

@@ -2,12 +2,14 @@
 from jalign.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config, to_hf_config
 from jalign.models.decoder import Decoder, KVCache, create
 from jalign.models.heads import ScalarHead
-from jalign.models.hf import from_pretrained, load_sequence_classifier, save_pretrained
+from jalign.models.hf import (architectures, from_pretrained, is_sequence_classifier, load_sequence_classifier,
+                              save_pretrained)
 from jalign.models.safetensors_io import CheckpointError
 from jalign.models.sharding import (DEFAULT_RULES, logical_axes, logical_to_spec, make_mesh, named_sharding,
                                     state_shardings, without_fsdp)
 
 __all__ = ["CheckpointError", "ConfigError", "DEFAULT_RULES", "Decoder", "KVCache", "ModelConfig", "RopeConfig",
-           "ScalarHead", "create", "from_hf_config", "from_pretrained", "load_sequence_classifier", "logical_axes",
+           "ScalarHead", "architectures", "create", "from_hf_config", "from_pretrained", "is_sequence_classifier",
+           "load_sequence_classifier", "logical_axes",
            "logical_to_spec", "make_mesh", "named_sharding", "save_pretrained", "state_shardings", "to_hf_config",
            "without_fsdp"]

@@ -237,6 +237,19 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
   return nnx.merge(graphdef, abstract_state), (None if score_weight is None else score_weight[0])
 
 
+def architectures(path: str) -> list[str]:
+  """`architectures` of `path`/config.json (OSError / ValueError when it cannot be read)."""
+  with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+    return list(json.load(f).get("architectures") or [])
+
+
+def is_sequence_classifier(path: str) -> bool:
+  try:
+    return any(a.endswith("ForSequenceClassification") for a in architectures(path))
+  except (OSError, ValueError):
+    return False
+
+
 def _check_tokenizer_vocab(path: str, cfg: ModelConfig) -> None:
   file = os.path.join(path, "tokenizer.json")
   if not os.path.exists(file):

@@ -26,6 +26,13 @@ class RewardModel(nnx.Module):
     self.backbone = backbone
     self.head = head
 
+  @classmethod
+  def from_classifier(cls, backbone: Decoder, score_D) -> "RewardModel":
+    """The model of an HF one-label classifier: its backbone and its linear `score` weight [D] (no bias)."""
+    head = ScalarHead(backbone.cfg.hidden_size, bias=False, rngs=nnx.Rngs(0))
+    head.w_out[...] = jnp.asarray(score_D, jnp.float32)[:, None]
+    return cls(backbone, head)
+
   @property
   def cfg(self):
     return self.backbone.cfg

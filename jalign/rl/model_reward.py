@@ -16,9 +16,7 @@ from jalign.objectives.reward import RewardModel
 class ModelReward:
   def __init__(self, path: str, weight: float, mesh, rules=models.DEFAULT_RULES):
     backbone, score = models.load_sequence_classifier(path, mesh=mesh, rules=rules)
-    head = models.ScalarHead(backbone.cfg.hidden_size, bias=False, rngs=nnx.Rngs(0))
-    head.w_out[...] = jnp.asarray(score)[:, None]
-    rm = RewardModel(backbone, head)
+    rm = RewardModel.from_classifier(backbone, score)
     self.graphdef, params = nnx.split(rm)
     self.params = nnx.to_pure_dict(params)
     if mesh is not None:  # the head was built off the mesh

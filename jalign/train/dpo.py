@@ -67,22 +67,14 @@ class DpoTask(PreferenceTask):
     fn = preference.encode_unpaired if self.kto else preference.encode
     return fn(record, tok, max_length=max_length, truncation=truncation)
 
-  def _encode_fn(self):
-    d = self.cfg.data
-    return lambda r: self.encode(r, tok=self.tok, max_length=d.max_length, truncation=d.truncation)
-
-  def checked_source(self, spec: str):
+  def check(self, spec: str, source) -> None:
     if not self.kto:
-      return super().checked_source(spec)
-    if spec not in self._sources:
-      d = self.cfg.data
-      source = open_source(spec)
-      good, bad = preference.check_unpaired(source, self._encode_fn(), limit=d.check_records,
-                                            skip_bad_records=d.skip_bad_records)
-      if d.pair_checks != "off":
-        print(f"KTO data {spec}: {good} desirable and {bad} undesirable examples", flush=True)
-      self._sources[spec] = source
-    return self._sources[spec]
+      return super().check(spec, source)
+    d = self.cfg.data
+    good, bad = preference.check_unpaired(source, self._encode_fn(), limit=d.check_records,
+                                          skip_bad_records=d.skip_bad_records)
+    if d.pair_checks != "off":
+      print(f"KTO data {spec}: {good} desirable and {bad} undesirable examples", flush=True)
 
   def make_loss_fn(self, graphdef):
     return objective.make_loss_fn(graphdef, self.loss_cfg, impl=self.cfg.logprobs.impl, chunk=self.cfg.logprobs.chunk)

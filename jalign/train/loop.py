@@ -270,7 +270,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
 def _make_eval_loss(cfg: RunConfig, s: Setup, task: Task, encode_fn, batch_sharding):
   """Held-out loss and the objective's metrics (eval/<name>), weighted like the training loss."""
   loss_fn = task.make_loss_fn(s.graphdef)
-  sums_fn = jax.jit(lambda params, batch: loss_fn(params, batch))
+  sums_fn = jax.jit(loss_fn)
   dp_local = max(1, s.mesh.shape["data"] * s.mesh.shape["fsdp"] // jax.process_count())
 
   def evaluate(params) -> dict:

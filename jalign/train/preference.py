@@ -29,7 +29,7 @@ class PreferenceTask(loop.Task):
 
   def _encode_fn(self) -> Callable[[dict], dict]:
     d = self.cfg.data
-    return lambda r: preference.encode(r, self.tok, max_length=d.max_length, truncation=d.truncation)
+    return lambda r: self.encode(r, tok=self.tok, max_length=d.max_length, truncation=d.truncation)
 
   def start(self, setup: loop.Setup) -> None:
     self.tok = setup.tok
@@ -41,11 +41,16 @@ class PreferenceTask(loop.Task):
     return self.checked_source(spec)
 
   def checked_source(self, spec: str):
-    """The source of `spec`, read once through the pair checks (reported; fatal under data.pair_checks='error')."""
-    if spec in self._sources:
-      return self._sources[spec]
+    """The source of `spec`, opened and checked once (see `check`), then wrapped (see `wrap_source`)."""
+    if spec not in self._sources:
+      source = open_source(spec)
+      self.check(spec, source)
+      self._sources[spec] = self.wrap_source(spec, source)
+    return self._sources[spec]
+
+  def check(self, spec: str, source) -> None:
+    """The pair checks: reported, fatal under data.pair_checks='error'; bad records stop here with file:line."""
     d = self.cfg.data
-    source = open_source(spec)
     stats = preference.check_pairs(source, self._encode_fn(), limit=d.check_records,
                                    skip_bad_records=d.skip_bad_records)
     self.stats[spec] = stats
@@ -57,8 +62,6 @@ class PreferenceTask(loop.Task):
                         "continues)")
       for p in problems:
         print(f"warning: {spec}: {p}", flush=True)
-    self._sources[spec] = self.wrap_source(spec, source)
-    return self._sources[spec]
 
   def wrap_source(self, spec: str, source):
     return source

@@ -7,11 +7,8 @@ pairwise accuracy, mean margin, and Spearman / Kendall correlation of the scores
 """
 from __future__ import annotations
 
-import json
-import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -23,23 +20,16 @@ from jalign.train import loop
 from jalign.train.preference import PreferenceTask
 
 
-def is_sequence_classifier(path: str) -> bool:
-  try:
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-      archs = json.load(f).get("architectures") or []
-  except (OSError, json.JSONDecodeError):
-    return False
-  return any(a.endswith("ForSequenceClassification") for a in archs)
-
-
 def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
   m, r = cfg.model, cfg.rm
   knobs = dict(scan_layers=m.scan_layers, remat=m.remat)
-  score = None
-  if m.path and is_sequence_classifier(m.path):
+  if m.path and models.is_sequence_classifier(m.path):
+    if r.head != "linear":
+      raise ValueError(f"{m.path} is a sequence classifier with a linear score head; config.rm.head={r.head!r}")
     backbone, score = models.load_sequence_classifier(m.path, dtype=m.dtype, mesh=mesh, rules=cfg.mesh.rules,
                                                       compute_dtype=m.compute_dtype or m.dtype, **knobs)
-  elif m.path:  # a causal LM: the backbone without its LM head (tied: nothing to drop)
+    return objective.RewardModel.from_classifier(backbone, score)
+  if m.path:  # a causal LM: the backbone without its LM head (tied: nothing to drop)
     backbone = models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, rules=cfg.mesh.rules,
                                       compute_dtype=m.compute_dtype or m.dtype, tie_embeddings=True, **knobs)
   else:
@@ -47,10 +37,6 @@ def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
     backbone = models.create(arch, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
   head = models.ScalarHead(backbone.cfg.hidden_size, kind=r.head, mlp_size=r.mlp_size or None, bias=r.head_bias,
                            param_dtype="float32", rngs=nnx.Rngs(cfg.seed))
-  if score is not None:
-    if r.head != "linear":
-      raise ValueError(f"{m.path} is a sequence classifier with a linear score head; config.rm.head={r.head!r}")
-    head.w_out[...] = jnp.asarray(score)[:, None]
   return objective.RewardModel(backbone, head)
 
 
@@ -63,7 +49,6 @@ class RewardTask(PreferenceTask):
 
   def start(self, setup: loop.Setup) -> None:
     super().start(setup)
-    self.graphdef = setup.graphdef
     self._scores = jax.jit(lambda params, batch: objective.pair_scores(nnx.merge(setup.graphdef, params), batch))
 
   def evaluate(self, setup, params) -> dict:
