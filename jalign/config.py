@@ -99,8 +99,14 @@ class LogSection:
 
 @dataclasses.dataclass(frozen=True)
 class LogprobSection:
-  impl: Literal["xla", "chunked", "auto"] = "auto"   # auto: chunked once the vocabulary exceeds one chunk
-  chunk: int = 4096                                 # vocabulary columns per chunk
+  impl: Literal["xla", "chunked", "pallas_gpu", "pallas_tpu", "auto"] = "auto"  # auto: chunked past one chunk
+  chunk: int = 4096                    # vocabulary columns per chunk (chunked)
+  blocks: tuple[int, ...] = ()         # Pallas tile (tokens, vocab, model-dim slice or 0); () = per-chip defaults
+  interpret: bool = False              # Pallas in interpret mode (any backend; slow; for checking)
+
+  def options(self):
+    from jalign.kernels import LogprobOptions
+    return LogprobOptions(**dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True)

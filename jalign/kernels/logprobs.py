@@ -2,41 +2,133 @@
 
 `impl="xla"` is the plain reference: it materialises the [T, V] logits (fine for small vocabularies and tests).
 `impl="chunked"` walks the vocabulary in chunks with an online logsumexp and a custom backward, so neither pass holds
-more than [T, chunk] logits. `auto` picks chunked once the vocabulary exceeds one chunk.
+more than [T, chunk] logits; it runs on every backend. `impl="pallas_gpu"` / `"pallas_tpu"` are fused kernels that
+keep logits tiles on chip (see `pallas.py`). `auto` picks `chunked` once the vocabulary exceeds one chunk: the Pallas
+kernels are opt-in until they have been timed against it on the chip (`benchmarks/device_check.sh`).
+
+Under a mesh with a `tensor` axis that divides the vocabulary (the training layout shards the unembedding's
+vocabulary over it), each shard computes its slice's logsumexp, E_p[logit] and target logit and the shards combine
+them (a max and sums), so no device ever holds the whole vocabulary's weights or logits.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jalign.kernels.chunked import token_logprobs_chunked
+from jalign.kernels.pallas import token_logprobs_pallas
 
-IMPLS = ("xla", "chunked", "auto")
+IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "auto")
+VOCAB_AXIS = "tensor"
+_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobOptions:
+  """How objectives compute log-probs (the `logprobs` config section): keyword arguments of `token_logprobs`."""
+  impl: str = "auto"
+  chunk: int = 4096                        # vocabulary columns per chunk (`chunked`)
+  blocks: tuple[int, ...] = ()             # Pallas tile (tokens, vocab, model-dim slice or 0); () = the defaults
+  interpret: bool = False                  # run a Pallas kernel in interpret mode (any backend; slow)
+
+  def kwargs(self) -> dict:
+    return dataclasses.asdict(self)
 
 
 def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax.Array, *,
-                   temperature: float = 1.0, softcap: float | None = None, impl: str = "xla", chunk: int = 4096):
+                   temperature: float = 1.0, softcap: float | None = None, mask_T: jax.Array | None = None,
+                   impl: str = "xla", chunk: int = 4096, blocks: tuple[int, ...] = (), interpret: bool = False):
   """(logprobs_T, entropy_T, logsumexp_T) of `targets_T` under softmax(cap(hidden @ unembed) / temperature).
 
-  Leading dims of `hidden`/`targets` beyond T are allowed ([B, T, D] -> [B, T]). Accumulates in fp32."""
+  Leading dims of `hidden`/`targets` beyond T are allowed ([B, T, D] -> [B, T]). Accumulates in fp32. Where
+  `mask_T` is 0 the outputs and their gradients are 0 and the target may be anything (e.g. -100 padding)."""
   if impl not in IMPLS:
     raise ValueError(f"token_logprobs impl {impl!r}; available: {', '.join(IMPLS)}")
+  if impl in _PLATFORM and not interpret and jax.default_backend() != _PLATFORM[impl]:
+    raise ValueError(f"token_logprobs impl {impl!r} needs a {_PLATFORM[impl].upper()} backend (this one is "
+                     f"{jax.default_backend()}); use impl='chunked', or interpret=True for a slow correctness run")
+  if blocks and len(blocks) != 3:
+    raise ValueError(f"token_logprobs blocks={tuple(blocks)}: give (tokens, vocab, model-dim slice or 0)")
   lead = targets_T.shape
   hidden = hidden_TxD.reshape(-1, hidden_TxD.shape[-1])  # flat 2-D matmuls: much faster backward on CPU
+  targets = targets_T.reshape(-1).astype(jnp.int32)
+  vocab = unembed_DxV.shape[1]
+  if mask_T is not None:
+    keep = mask_T.reshape(-1) != 0
+    targets = jnp.where(keep & (targets >= 0) & (targets < vocab), targets, 0)
   if impl == "auto":
-    impl = "chunked" if unembed_DxV.shape[1] > chunk else "xla"
-  if impl == "chunked":
-    out = token_logprobs_chunked(hidden, unembed_DxV, targets_T.reshape(-1), temperature=temperature,
-                                 softcap=softcap, chunk=chunk)
-    return tuple(x.reshape(lead) for x in out)
-  logits = jnp.dot(hidden, unembed_DxV.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    impl = "chunked" if vocab > chunk else "xla"
+  local = _LOCAL[impl]
+  opts = dict(temperature=temperature, softcap=softcap, chunk=chunk, blocks=tuple(blocks) or None,
+              interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = 0 if mesh.empty else dict(mesh.shape).get(VOCAB_AXIS, 1)
+  if shards > 1 and vocab % shards == 0:
+    out = _vocab_sharded(local, hidden, unembed_DxV, targets, shards, opts)
+  else:
+    out = local(hidden, unembed_DxV, targets, **opts)
+  if mask_T is not None:
+    out = tuple(jnp.where(keep, x, 0.0) for x in out)
+  return tuple(x.reshape(lead) for x in out)
+
+
+def _xla(hidden, unembed, targets, *, temperature, softcap, **_):
+  logits = jnp.dot(hidden, unembed.astype(hidden.dtype), preferred_element_type=jnp.float32)
   if softcap is not None:  # Gemma 2 final-logit soft-capping
     logits = jnp.tanh(logits / softcap) * softcap
   logits = logits / temperature
   lse = jax.nn.logsumexp(logits, axis=-1)
-  # Selecting the target through a one-hot product keeps the backward elementwise (a gather's is a scatter).
-  onehot = jax.nn.one_hot(targets_T.reshape(-1), logits.shape[-1], dtype=logits.dtype)
+  # Selecting the target through a one-hot product keeps the backward elementwise (a gather's is a scatter); a
+  # target outside [0, V) selects nothing (0), which the vocabulary-sharded path relies on.
+  onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
   target_logp = jnp.sum(logits * onehot, axis=-1) - lse
   probs = jnp.exp(logits - lse[:, None])
   entropy = lse - jnp.sum(probs * logits, axis=-1)
-  return target_logp.reshape(lead), entropy.reshape(lead), lse.reshape(lead)
+  return target_logp, entropy, lse
+
+
+def _chunked(hidden, unembed, targets, *, temperature, softcap, chunk, **_):
+  return token_logprobs_chunked(hidden, unembed, targets, temperature=temperature, softcap=softcap, chunk=chunk)
+
+
+def _pallas(backend):
+  def run(hidden, unembed, targets, *, temperature, softcap, blocks, interpret, **_):
+    if interpret is True and backend == "tpu":
+      from jax.experimental.pallas import tpu as pltpu
+      interpret = pltpu.InterpretParams()  # TPU semantics (grid order, VMEM blocks) rather than generic
+    elif interpret:
+      interpret = True
+    return token_logprobs_pallas(hidden, unembed, targets, backend=backend, temperature=temperature,
+                                 softcap=softcap, blocks=blocks, interpret=interpret)
+  return run
+
+
+_LOCAL = {"xla": _xla, "chunked": _chunked, "pallas_gpu": _pallas("gpu"), "pallas_tpu": _pallas("tpu")}
+
+
+def _vocab_sharded(local, hidden_NxD, unembed_DxV, targets_N, shards, opts):
+  """`local` on each `tensor` shard's vocabulary slice, combined exactly: lse = logsumexp over shards of the
+  shard lse; E_p[l] = sum_k exp(lse_k - lse) E_{p_k}[l]; the target logit comes from the one shard that holds it."""
+  v_local = unembed_DxV.shape[1] // shards
+  if opts["interpret"]:  # the TPU-semantics interpreter's callbacks need every mesh axis manual; use the generic one
+    opts = {**opts, "interpret": "generic"}
+
+  def per_shard(h, w, y):
+    offset = jax.lax.axis_index(VOCAB_AXIS) * v_local
+    y_local = jnp.where((y >= offset) & (y < offset + v_local), y - offset, -1)  # -1: not on this shard
+    logp_k, entropy_k, lse_k = local(h, w, y_local, **opts)
+    target_k = jnp.where(y_local >= 0, logp_k + lse_k, 0.0)
+    mean_k = lse_k - entropy_k
+    top = jax.lax.pmax(jax.lax.stop_gradient(lse_k), VOCAB_AXIS)  # a shift only: exact with the gradient stopped
+    total = jax.lax.psum(jnp.exp(lse_k - top), VOCAB_AXIS)
+    lse = top + jnp.log(total)
+    mean = jax.lax.psum(jnp.exp(lse_k - lse) * mean_k, VOCAB_AXIS)
+    return jax.lax.psum(target_k, VOCAB_AXIS) - lse, lse - mean, lse
+
+  # Rows stay as the caller laid them out (replicated over `tensor`); only the vocabulary is split.
+  row = P()
+  return jax.shard_map(per_shard, in_specs=(row, P(None, VOCAB_AXIS), row), out_specs=(row, row, row),
+                       axis_names={VOCAB_AXIS}, check_vma=False)(hidden_NxD, unembed_DxV, targets_N)

@@ -30,7 +30,7 @@ class DpoLossConfig:
   undesirable_weight: float = 1.0
 
 
-def sequence_logps(graphdef, params, batch: dict, *, impl: str = "auto", chunk: int = 4096):
+def sequence_logps(graphdef, params, batch: dict, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   """(summed completion log-probs [B, 2], completion token counts [B, 2], per-token log-probs [2B, L] with their
   weights) of a pair batch under the model at `params`."""
   b, two, length = batch["tokens"].shape
@@ -38,22 +38,22 @@ def sequence_logps(graphdef, params, batch: dict, *, impl: str = "auto", chunk: 
   lm = nnx.merge(graphdef, params)
   hidden, _ = lm.forward(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"])
   targets, weights = targets_and_weights(flat)
-  logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap, impl=impl,
-                                      chunk=chunk)
+  logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap,
+                                      **logprobs.kwargs())
   sums = jnp.sum(logp * weights, axis=-1).reshape(b, two)
   counts = jnp.sum(weights, axis=-1).reshape(b, two)
   return sums, counts, (logp, weights)
 
 
-def make_kto_loss_fn(graphdef, cfg: DpoLossConfig, *, impl: str = "auto", chunk: int = 4096):
+def make_kto_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   """KTO on a `kto_batch` [N, 2, L] (0 = the example, 1 = its mismatched KL sequence). The KL sequences go through
   the policy with the gradient stopped (a separate forward, so no backward runs over them), as TRL does under
   no_grad; their mean log-ratio, clamped at 0, is the reference point. Loss: mean over the N examples."""
   def loss_fn(params, batch):
     example = {k: v[:, :1] for k, v in batch.items() if k in ("tokens", "loss_mask", "segment_ids", "positions")}
     mismatched = {k: v[:, 1:] for k, v in batch.items() if k in ("tokens", "loss_mask", "segment_ids", "positions")}
-    logps = sequence_logps(graphdef, params, example, impl=impl, chunk=chunk)[0][:, 0]
-    kl_logps = sequence_logps(graphdef, jax.lax.stop_gradient(params), mismatched, impl=impl, chunk=chunk)[0][:, 0]
+    logps = sequence_logps(graphdef, params, example, logprobs=logprobs)[0][:, 0]
+    kl_logps = sequence_logps(graphdef, jax.lax.stop_gradient(params), mismatched, logprobs=logprobs)[0][:, 0]
     desirable = batch["label"] > 0
     losses, rewards, kl = dpo_losses.kto_loss(logps, batch["ref_logps"], desirable, kl_logps, batch["ref_kl_logps"],
                                               beta=cfg.beta, desirable_weight=cfg.desirable_weight,
@@ -70,12 +70,12 @@ def make_kto_loss_fn(graphdef, cfg: DpoLossConfig, *, impl: str = "auto", chunk:
   return loss_fn
 
 
-def make_loss_fn(graphdef, cfg: DpoLossConfig, *, impl: str = "auto", chunk: int = 4096):
+def make_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   if cfg.loss_type == "kto":
-    return make_kto_loss_fn(graphdef, cfg, impl=impl, chunk=chunk)
+    return make_kto_loss_fn(graphdef, cfg, logprobs=logprobs)
 
   def loss_fn(params, batch):
-    logps, counts, (token_logp, weights) = sequence_logps(graphdef, params, batch, impl=impl, chunk=chunk)
+    logps, counts, (token_logp, weights) = sequence_logps(graphdef, params, batch, logprobs=logprobs)
     c, r = logps[:, 0], logps[:, 1]
     nc, nr = counts[:, 0], counts[:, 1]
     chosen_nll = -c / jnp.maximum(nc, 1.0)

@@ -32,21 +32,22 @@ class GrpoLossConfig:
   global_rows: int = 0               # rows per optimizer step (for seq-mean-token-sum-norm)
 
 
-def response_logprobs(graphdef, params, batch: dict, temperature: float, impl: str = "auto", chunk: int = 4096):
+def response_logprobs(graphdef, params, batch: dict, temperature: float,
+                      logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`."""
   lm = nnx.merge(graphdef, params)
   hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
   r = batch["response"].shape[1]
   p = batch["tokens"].shape[1] - r
   logp, entropy, _ = kernels.token_logprobs(hidden[:, p - 1:p + r - 1], lm.unembed(), batch["response"],
-                                            temperature=temperature, softcap=lm.cfg.final_softcap, impl=impl,
-                                            chunk=chunk)
+                                            temperature=temperature, softcap=lm.cfg.final_softcap,
+                                            **logprobs.kwargs())
   return logp, entropy
 
 
-def make_loss_fn(graphdef, cfg: GrpoLossConfig, impl: str = "auto", chunk: int = 4096):
+def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   def loss_fn(params, batch):
-    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, impl, chunk)
+    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, logprobs)
     mask = batch["response_mask"].astype(jnp.float32)
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,

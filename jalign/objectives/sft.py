@@ -19,13 +19,13 @@ def targets_and_weights(batch: dict):
   return shift(tokens), weights.astype(jnp.float32)
 
 
-def make_loss_fn(graphdef, *, impl: str = "auto", chunk: int = 4096):
+def make_loss_fn(graphdef, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   def loss_fn(params, batch):
     lm = nnx.merge(graphdef, params)
     hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
     targets, weights = targets_and_weights(batch)
-    logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap, impl=impl,
-                                        chunk=chunk)
+    logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap,
+                                        **logprobs.kwargs())
     nll_sum = -jnp.sum(logp * weights)
     return nll_sum, jnp.sum(weights), {}
   return loss_fn

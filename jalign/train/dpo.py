@@ -77,15 +77,14 @@ class DpoTask(PreferenceTask):
       print(f"KTO data {spec}: {good} desirable and {bad} undesirable examples", flush=True)
 
   def make_loss_fn(self, graphdef):
-    return objective.make_loss_fn(graphdef, self.loss_cfg, impl=self.cfg.logprobs.impl, chunk=self.cfg.logprobs.chunk)
+    return objective.make_loss_fn(graphdef, self.loss_cfg, logprobs=self.cfg.logprobs.options())
 
   # Reference ---------------------------------------------------------------------------------------------------
   def start(self, setup: loop.Setup) -> None:
     cfg, p = self.cfg, self.cfg.dpo
     self.graphdef, self.mesh = setup.graphdef, setup.mesh
     sharding = parallel.batch_sharding(setup.mesh)
-    logps = functools.partial(objective.sequence_logps, setup.graphdef, impl=cfg.logprobs.impl,
-                              chunk=cfg.logprobs.chunk)
+    logps = functools.partial(objective.sequence_logps, setup.graphdef, logprobs=cfg.logprobs.options())
     self._ref_fn = jax.jit(lambda params, batch: tuple(logps(params, batch)[0].T), out_shardings=(sharding, sharding))
     alpha = p.ref_model_mixup_alpha
     self._mix = jax.jit(lambda policy, ref: jax.tree.map(lambda a, b: (alpha * a + (1 - alpha) * b).astype(b.dtype),

@@ -114,13 +114,13 @@ def run(cfg: RunConfig) -> dict:
                                       temperature=s.temperature, global_rows=rows // g.mini_batches)
   batch_sharding = parallel.batch_sharding(mesh)
   rep = parallel.replicated(mesh)
-  step_fn = make_step(objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.impl, cfg.logprobs.chunk), optimizer,
+  step_fn = make_step(objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options()), optimizer,
                       lr_schedule, 1,
                       parallel.batch_sharding(mesh, leading_micro_axis=True))
   update = jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                    out_shardings=(setup.state_shardings, rep), donate_argnums=0)
   logprobs = jax.jit(lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,
-                                                                      cfg.logprobs.impl, cfg.logprobs.chunk)[0])
+                                                                      cfg.logprobs.options())[0])
   state = setup.state
   reference = jax.tree.map(jnp.copy, state.params)  # frozen: the policy as loaded
 
@@ -136,7 +136,7 @@ def run(cfg: RunConfig) -> dict:
   key = jax.random.key(cfg.seed)
   policy = lambda st: nnx.merge(graphdef, st.params)
 
-  with mesh:
+  with jax.set_mesh(mesh):
     initial_acc = None
     if eval_prompts:
       initial_acc = accuracy(nnx.merge(graphdef, reference), tok, eval_prompts, metric, s.max_new_tokens)

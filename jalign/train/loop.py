@@ -229,7 +229,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
     writer.advance()
     return m
 
-  with _Preemption() as preempt, mesh:
+  with _Preemption() as preempt, jax.set_mesh(mesh):
     step = start
     while step < cfg.train.steps:
       local = next(train_it)

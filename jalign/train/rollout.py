@@ -48,7 +48,7 @@ def run(cfg: RunConfig) -> dict:
   start = time.perf_counter()
   from tqdm import tqdm
   bar = tqdm(total=n_batches, initial=len(done & set(range(n_batches))), desc="rollout", disable=None)
-  with mesh:
+  with jax.set_mesh(mesh):
     for b in range(n_batches):
       if b in done:
         continue

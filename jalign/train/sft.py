@@ -13,7 +13,7 @@ class SftTask(loop.Task):
     self.cfg = cfg
 
   def make_loss_fn(self, graphdef):
-    return sft.make_loss_fn(graphdef, impl=self.cfg.logprobs.impl, chunk=self.cfg.logprobs.chunk)
+    return sft.make_loss_fn(graphdef, logprobs=self.cfg.logprobs.options())
 
   def encode(self, record, *, tok, max_length, truncation):
     return sft_data.encode(record, tok, max_length=max_length, truncation=truncation)

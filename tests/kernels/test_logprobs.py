@@ -1,11 +1,20 @@
-"""token_logprobs: both implementations against a NumPy formula, gradients against each other, and the chunked
-version's memory (XLA's own buffer accounting) against the materialised one."""
+"""token_logprobs: every implementation against a NumPy formula and its gradients against autodiff of the plain
+formula (the Pallas kernels in interpret mode), the vocabulary-sharded path against the unsharded one, and the
+chunked version's memory (XLA's own buffer accounting) against the materialised one."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jalign.kernels import token_logprobs
+from jalign.kernels import LogprobOptions, token_logprobs
+from jalign.models.sharding import make_mesh
+
+# Small tiles so every kernel walks several vocabulary blocks (101 = 3 x 32 + 5: a ragged last block), several token
+# blocks (21 = 16 + 5) and, on GPU, several model-dim slices (24 = 3 x 8).
+IMPL_KW = {"xla": {}, "chunked": dict(chunk=16), "pallas_gpu": dict(blocks=(16, 32, 8), interpret=True),
+           "pallas_tpu": dict(blocks=(16, 32, 0), interpret=True)}
+FORMS = [dict(), dict(temperature=0.6), dict(softcap=1.5)]
 
 
 def np_reference(h, w, y, temperature=1.0, softcap=None):
@@ -24,38 +33,79 @@ def _data(seed=0, n=(3, 7), d=24, v=101):
           rng.randint(0, v, n))
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked"])
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.6), dict(softcap=1.5)])
+def _masked(seed=0, **kw):
+  """Data with a few masked positions whose targets are HF's -100 padding."""
+  h, w, y = _data(seed, **kw)
+  mask = np.ones(y.shape, np.int32)
+  mask[0, -2:] = mask[2, 0] = 0
+  return h, w, np.where(mask == 1, y, -100), mask
+
+
+@pytest.mark.parametrize("impl", list(IMPL_KW))
+@pytest.mark.parametrize("kw", FORMS)
 def test_values_match_numpy(impl, kw):
-  h, w, y = _data()
-  got = token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl=impl, chunk=16, **kw)
-  for g, want in zip(got, np_reference(h, w, y, **kw)):
-    np.testing.assert_allclose(np.asarray(g), want, atol=2e-5, rtol=1e-5)
+  h, w, y, mask = _masked()
+  got = token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), mask_T=jnp.asarray(mask), impl=impl,
+                       **IMPL_KW[impl], **kw)
+  for g, want in zip(got, np_reference(h, w, np.where(mask == 1, y, 0), **kw)):
+    np.testing.assert_allclose(np.asarray(g), want * mask, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.6), dict(softcap=1.5)])
-def test_chunked_gradients_equal_autodiff_of_the_formula(kw):
-  h, w, y = (jnp.asarray(a) for a in _data(1))
+def _weighted_sum(impl, y, mask, **kw):
   weights = (1.0, -0.3, 0.2)  # exercise the gradients of all three outputs
+  return lambda h, w: sum(jnp.sum(o * c) for o, c in zip(token_logprobs(h, w, y, mask_T=mask, impl=impl, **kw),
+                                                        weights))
 
-  def loss(impl):
-    return lambda h, w: sum(jnp.sum(o * c) for o, c in zip(token_logprobs(h, w, y, impl=impl, chunk=16, **kw),
-                                                          weights))
 
-  want = jax.grad(loss("xla"), argnums=(0, 1))(h, w)
-  got = jax.grad(loss("chunked"), argnums=(0, 1))(h, w)
+@pytest.mark.parametrize("impl", ["chunked", "pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("kw", FORMS)
+def test_gradients_equal_autodiff_of_the_formula(impl, kw):
+  h, w, y, mask = (jnp.asarray(a) for a in _masked(1))
+  want = jax.grad(_weighted_sum("xla", y, mask, **kw), argnums=(0, 1))(h, w)
+  got = jax.grad(_weighted_sum(impl, y, mask, **IMPL_KW[impl], **kw), argnums=(0, 1))(h, w)
   for g, t in zip(got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(t), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(t), atol=1e-5 * float(jnp.max(jnp.abs(t))), rtol=1e-5)
+  assert float(jnp.max(jnp.abs(got[0][0, -2:]))) == 0.0  # masked rows get no gradient
 
 
-def test_bf16_inputs_accumulate_in_fp32():
+@pytest.mark.parametrize("impl", list(IMPL_KW))
+def test_bf16_inputs_accumulate_in_fp32(impl):
+  """bf16 hidden and unembedding: outputs in fp32, within 2e-2 of the fp64 formula on the same bf16 values (the
+  logits tiles are fp32; only the inputs are rounded); gradients within 2% of the largest entry of xla's."""
   h, w, y = _data(2)
-  got = token_logprobs(jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(y), impl="chunked",
-                       chunk=32)
-  want = np_reference(np.asarray(jnp.asarray(h, jnp.bfloat16), np.float32),
-                      np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32), y)
+  hb, wb = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  got = token_logprobs(hb, wb, jnp.asarray(y), impl=impl, **IMPL_KW[impl])
+  want = np_reference(np.asarray(hb, np.float32), np.asarray(wb, np.float32), y)
   assert got[0].dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(got[0]), want[0], atol=2e-2)
+  for g, t in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), t, atol=2e-2)
+  mask = jnp.ones(y.shape)
+  ref = jax.grad(_weighted_sum("xla", jnp.asarray(y), mask), argnums=(0, 1))(hb, wb)
+  grads = jax.grad(_weighted_sum(impl, jnp.asarray(y), mask, **IMPL_KW[impl]), argnums=(0, 1))(hb, wb)
+  for g, t in zip(grads, ref):
+    assert g.dtype == jnp.bfloat16
+    scale = float(jnp.max(jnp.abs(t.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(t, np.float32), atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("impl", list(IMPL_KW))
+def test_vocabulary_sharded_over_tensor_equals_unsharded(impl):
+  """A (2, 1, 4) mesh with the unembedding's vocabulary split four ways: each shard works on its 26 columns and the
+  shards combine their statistics; values and gradients equal the unsharded formula, and for xla / chunked the
+  compiled step never gathers the vocabulary."""
+  h, w, y, mask = (jnp.asarray(a) for a in _masked(3, n=(4, 6), v=104))
+  want = jax.value_and_grad(_weighted_sum("xla", y, mask), argnums=(0, 1))(h, w)
+  mesh = make_mesh((2, 1, 4))
+  with jax.set_mesh(mesh):
+    hs = jax.device_put(h, NamedSharding(mesh, P(("data", "fsdp"))))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
+    f = jax.jit(jax.value_and_grad(_weighted_sum(impl, y, mask, **IMPL_KW[impl]), argnums=(0, 1)))
+    got = f(hs, ws)
+    if impl in ("xla", "chunked"):
+      assert "all-gather" not in f.lower(hs, ws).compile().as_text()
+  np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+  for g, t in zip(got[1], want[1]):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(t), atol=1e-5 * float(jnp.max(jnp.abs(t))), rtol=1e-5)
 
 
 def test_chunked_never_materialises_the_logits():
@@ -79,8 +129,12 @@ def test_chunked_never_materialises_the_logits():
 
 def test_unknown_impl():
   h, w, y = _data()
-  with pytest.raises(ValueError, match="available: xla, chunked, auto"):
-    token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas_tpu")
+  with pytest.raises(ValueError, match="available: xla, chunked, pallas_gpu, pallas_tpu, auto"):
+    token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas")
+  with pytest.raises(ValueError, match="needs a GPU backend .*interpret=True"):
+    token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas_gpu")
+  with pytest.raises(ValueError, match="blocks=.*tokens, vocab, model-dim"):
+    token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas_tpu", blocks=(8, 8), interpret=True)
 
 
 def test_dpo_and_grpo_steps_agree_between_xla_and_chunked():
@@ -108,8 +162,9 @@ def test_dpo_and_grpo_steps_agree_between_xla_and_chunked():
          "advantages": rng.randn(n, r).astype(np.float32), "old_logp": -rng.rand(n, r).astype(np.float32) * 5,
          "ref_logp": -rng.rand(n, r).astype(np.float32) * 5}
   seq["response"] = seq["tokens"][:, p:]
-  cases = [(lambda impl: dpo.make_loss_fn(graphdef, dpo.DpoLossConfig(rpo_alpha=0.5), impl=impl, chunk=100), pairs),
-           (lambda impl: grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(), impl, 100), seq)]
+  opts = lambda impl: LogprobOptions(impl=impl, chunk=100)  # noqa: E731
+  cases = [(lambda impl: dpo.make_loss_fn(graphdef, dpo.DpoLossConfig(rpo_alpha=0.5), logprobs=opts(impl)), pairs),
+           (lambda impl: grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(), opts(impl)), seq)]
   for make, batch in cases:
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     out = {}
