@@ -1,4 +1,6 @@
-"""Log-probabilities, entropy and logsumexp of target tokens from hidden states and the unembedding."""
+"""Log-probabilities, entropy and logsumexp of target tokens, and the exact KL between two models' next-token
+distributions, from hidden states and unembeddings without materialising [tokens, vocab] logits."""
+from jalign.kernels.kl import full_kl
 from jalign.kernels.logprobs import IMPLS, LogprobOptions, token_logprobs
 
-__all__ = ["IMPLS", "LogprobOptions", "token_logprobs"]
+__all__ = ["IMPLS", "LogprobOptions", "full_kl", "token_logprobs"]

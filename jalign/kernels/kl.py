@@ -1,0 +1,115 @@
+"""Exact per-token KL(pi || pi_ref) over the whole vocabulary from both models' hidden states and unembeddings.
+
+For distillation and exact-KL regularisation: KL_t = sum_v p_v (log p_v - log q_v) with p = softmax of the policy's
+logits and q of the reference's. `impl="chunked"` walks the vocabulary in chunks with online logsumexps of both
+distributions and E_p[z_p - z_q] (one pass), then KL = E_p[z_p - z_q] - lse_p + lse_q; its backward recomputes each
+chunk from the saved statistics: d KL / d z_p = p (log p - log q - KL). Neither [T, V] logits tensor is ever held.
+The reference is frozen: gradients flow to the policy's hidden states and unembedding only. The two models may
+have different widths (a larger teacher) but share the vocabulary.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jalign.kernels.chunked import _NEG, _chunk_logits, _padded
+
+IMPLS = ("xla", "chunked")
+
+
+def full_kl(hidden_p_TxD: jax.Array, unembed_p_DxV: jax.Array, hidden_q_TxE: jax.Array, unembed_q_ExV: jax.Array, *,
+            temperature: float = 1.0, softcap: float | None = None, mask_T: jax.Array | None = None,
+            impl: str = "chunked", chunk: int = 4096) -> jax.Array:
+  """kl_T = KL(softmax(z_p / temp) || softmax(z_q / temp)) per position (0 where `mask_T` is 0); fp32."""
+  if impl not in IMPLS:
+    raise ValueError(f"full_kl impl {impl!r}; available: {', '.join(IMPLS)}")
+  if unembed_p_DxV.shape[1] != unembed_q_ExV.shape[1]:
+    raise ValueError(f"full_kl: policy vocabulary {unembed_p_DxV.shape[1]} != reference vocabulary "
+                     f"{unembed_q_ExV.shape[1]}")
+  lead = hidden_p_TxD.shape[:-1]
+  hp = hidden_p_TxD.reshape(-1, hidden_p_TxD.shape[-1])
+  hq = jax.lax.stop_gradient(hidden_q_TxE.reshape(-1, hidden_q_TxE.shape[-1]))
+  wq = jax.lax.stop_gradient(unembed_q_ExV)
+  if impl == "xla":
+    kl = _xla(hp, unembed_p_DxV, hq, wq, temperature, softcap)
+  else:
+    kl = _kl_chunked(hp, unembed_p_DxV, hq, wq, float(temperature), None if softcap is None else float(softcap),
+                     int(min(chunk, unembed_p_DxV.shape[1])))
+  if mask_T is not None:
+    kl = jnp.where(mask_T.reshape(-1) != 0, kl, 0.0)
+  return kl.reshape(lead)
+
+
+def _xla(hp, wp, hq, wq, temperature, softcap):
+  def log_softmax(h, w):
+    z = jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    if softcap is not None:
+      z = jnp.tanh(z / softcap) * softcap
+    return jax.nn.log_softmax(z / temperature, axis=-1)
+
+  lp, lq = log_softmax(hp, wp), log_softmax(hq, wq)
+  return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
+
+
+def _stats(hp, wp, hq, wq, temperature, softcap, chunk):
+  """Online (lse_p, lse_q, E_p[z_p - z_q]) over vocabulary chunks."""
+  wp_pad, n_chunks, vocab = _padded(wp.astype(hp.dtype), chunk)
+  wq_pad, _, _ = _padded(wq.astype(hq.dtype), chunk)
+  rows = hp.shape[0]
+
+  def body(carry, i):
+    mp, sp, acc, mq, sq = carry
+    zp, _, _ = _chunk_logits(hp, jax.lax.dynamic_slice_in_dim(wp_pad, i * chunk, chunk, 1), i * chunk, vocab,
+                             temperature, softcap)
+    zq, _, _ = _chunk_logits(hq, jax.lax.dynamic_slice_in_dim(wq_pad, i * chunk, chunk, 1), i * chunk, vocab,
+                             temperature, softcap)
+    mp_new = jnp.maximum(mp, jnp.max(zp, axis=1))
+    scale = jnp.exp(mp - mp_new)
+    ep = jnp.exp(zp - mp_new[:, None])
+    sp = sp * scale + jnp.sum(ep, axis=1)
+    acc = acc * scale + jnp.sum(ep * (zp - zq), axis=1)  # padded columns: e_p = 0 and z_p - z_q = 0
+    mq_new = jnp.maximum(mq, jnp.max(zq, axis=1))
+    sq = sq * jnp.exp(mq - mq_new) + jnp.sum(jnp.exp(zq - mq_new[:, None]), axis=1)
+    return (mp_new, sp, acc, mq_new, sq), None
+
+  neg, zero = jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32)
+  (mp, sp, acc, mq, sq), _ = jax.lax.scan(body, (neg, zero, zero, neg, zero), jnp.arange(n_chunks))
+  return mp + jnp.log(sp), mq + jnp.log(sq), acc / sp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _kl_chunked(hp, wp, hq, wq, temperature, softcap, chunk):
+  lse_p, lse_q, gap = _stats(hp, wp, hq, wq, temperature, softcap, chunk)
+  return gap - lse_p + lse_q
+
+
+def _fwd(hp, wp, hq, wq, temperature, softcap, chunk):
+  lse_p, lse_q, gap = _stats(hp, wp, hq, wq, temperature, softcap, chunk)
+  kl = gap - lse_p + lse_q
+  return kl, (hp, wp, hq, wq, lse_p, lse_q, kl)
+
+
+def _bwd(temperature, softcap, chunk, res, g_kl):
+  hp, wp, hq, wq, lse_p, lse_q, kl = res
+  wp_pad, n_chunks, vocab = _padded(wp.astype(hp.dtype), chunk)
+  wq_pad, _, _ = _padded(wq.astype(hq.dtype), chunk)
+
+  def body(dh, i):
+    w_chunk = jax.lax.dynamic_slice_in_dim(wp_pad, i * chunk, chunk, 1)
+    zp, dz, cols = _chunk_logits(hp, w_chunk, i * chunk, vocab, temperature, softcap)
+    zq, _, _ = _chunk_logits(hq, jax.lax.dynamic_slice_in_dim(wq_pad, i * chunk, chunk, 1), i * chunk, vocab,
+                             temperature, softcap)
+    lp, lq = zp - lse_p[:, None], zq - lse_q[:, None]
+    dl = g_kl[:, None] * jnp.exp(lp) * (lp - lq - kl[:, None])
+    dl = jnp.where(cols[None, :] < vocab, dl, 0.0) * dz
+    dh = dh + jnp.dot(dl, w_chunk.T.astype(jnp.float32))
+    return dh, jnp.dot(hp.T.astype(jnp.float32), dl)
+
+  dh, dw_chunks = jax.lax.scan(body, jnp.zeros(hp.shape, jnp.float32), jnp.arange(n_chunks))
+  dw = jnp.moveaxis(dw_chunks, 0, 1).reshape(hp.shape[1], n_chunks * chunk)[:, :vocab]
+  return dh.astype(hp.dtype), dw.astype(wp.dtype), jnp.zeros_like(hq), jnp.zeros_like(wq)
+
+
+_kl_chunked.defvjp(_fwd, _bwd)
