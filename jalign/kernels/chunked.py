@@ -1,8 +1,13 @@
 """Chunked log-prob / entropy / logsumexp over the vocabulary: never materialises [tokens, vocab] logits.
 
 The forward walks vocabulary chunks with an online logsumexp (running max and rescaled sum), keeping only [N]
-running statistics; the backward (`jax.custom_vjp`) recomputes each chunk's logits from the saved logsumexp and
-accumulates d hidden and writes d unembed chunk by chunk. Peak extra memory is O(N x chunk) instead of O(N x V).
+running statistics; the backward (`jax.custom_vjp`) recomputes each chunk's logits from the saved logsumexp,
+accumulates d hidden in fp32 and writes each chunk's columns of d unembed once, in the unembedding's dtype. Peak
+extra memory is O(N x chunk) plus d hidden, instead of O(N x V).
+
+A vocabulary that is not a multiple of the chunk is not padded (that would copy the unembedding): the last chunk is
+slid back to end at V and the columns it shares with the previous chunk are masked. Cotangents that are symbolically
+zero (e.g. nobody differentiates the entropy) skip their terms.
 """
 from __future__ import annotations
 
@@ -10,49 +15,73 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 _NEG = -1e30
 
 
-def _chunk_logits(h, w_chunk, start, vocab, temperature, softcap):
-  """Scaled logits [N, C] of one chunk (columns past the real vocabulary masked), and d logits / d z."""
+def _chunk(w, i, chunk):
+  """Chunk i of the columns of `w`: (slice [D, chunk], first column, mask of the columns that belong to chunk i)."""
+  start = jnp.minimum(i * chunk, w.shape[1] - chunk)
+  cols = start + jnp.arange(chunk)
+  return jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=1), start, cols >= i * chunk
+
+
+def scan_chunks(body, init, weights, n: int, reverse: bool = False):
+  """`carry = body(carry, weights, i)` for i < n, with `weights` threaded through the loop behind an optimisation
+  barrier: left loop-invariant, XLA on CPU hoists an fp32 copy of a bf16 [D, V] matrix out of the loop (it computes
+  bf16 dots in fp32), a V-sized buffer this module exists to avoid."""
+  def step(c, i):
+    carry, ws = c
+    ws = jax.lax.optimization_barrier(ws)
+    return (body(carry, ws, i), ws), None
+
+  (carry, _), _ = jax.lax.scan(step, (init, weights), jnp.arange(n), reverse=reverse)
+  return carry
+
+
+def _chunk_logits(h, w_chunk, own, temperature, softcap):
+  """Scaled logits [N, C] of one chunk (columns not owned by it at -inf) and d logits / d z."""
   z = jnp.dot(h, w_chunk, preferred_element_type=jnp.float32)
   dz = jnp.full_like(z, 1.0 / temperature)
   if softcap is not None:
     t = jnp.tanh(z / softcap)
     z = t * softcap
     dz = dz * (1.0 - t * t)
-  logits = z / temperature
-  cols = start + jnp.arange(w_chunk.shape[1])
-  return jnp.where(cols[None, :] < vocab, logits, _NEG), dz, cols
+  return jnp.where(own[None, :], z / temperature, _NEG), dz
 
 
-def _padded(unembed, chunk):
-  """[D, V] padded to a whole number of chunks (a copy only when V is not a multiple), chunk count, V."""
-  v = unembed.shape[1]
-  n = -(-v // chunk)
-  return (unembed if n * chunk == v else jnp.pad(unembed, ((0, 0), (0, n * chunk - v)))), n, v
+def write_columns(buf, cols_f32, start):
+  """`buf` with the [D, chunk] block at `start` set to `cols_f32` (in `buf`'s dtype). A plain update, no select:
+  XLA keeps it in place, so the loop's buffer becomes the gradient itself. The columns the slid last chunk does not
+  own are written as zeros and then overwritten by their own chunk, so chunks must be visited last to first."""
+  return jax.lax.dynamic_update_slice_in_dim(buf, cols_f32.astype(buf.dtype), start, axis=1)
+
+
+def n_chunks(vocab, chunk):
+  return -(-vocab // chunk)
 
 
 def _forward(h, unembed, targets, temperature, softcap, chunk):
-  padded, n_chunks, vocab = _padded(unembed, chunk)
+  w = unembed.astype(h.dtype)
   n_rows = h.shape[0]
 
-  def body(carry, i):
+  def body(carry, w, i):
     m, s, sl, tgt = carry
-    w = jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=1)
-    logits, _, cols = _chunk_logits(h, w, i * chunk, vocab, temperature, softcap)
+    w_chunk, start, own = _chunk(w, i, chunk)
+    logits, _ = _chunk_logits(h, w_chunk, own, temperature, softcap)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     scale = jnp.exp(m - m_new)
     e = jnp.exp(logits - m_new[:, None])
     s = s * scale + jnp.sum(e, axis=1)
-    sl = sl * scale + jnp.sum(e * jnp.where(logits > _NEG / 2, logits, 0.0), axis=1)
-    tgt = tgt + jnp.sum(jnp.where(cols[None, :] == targets[:, None], logits, 0.0), axis=1)
-    return (m_new, s, sl, tgt), None
+    sl = sl * scale + jnp.sum(e * jnp.where(own[None, :], logits, 0.0), axis=1)
+    hit = (start + jnp.arange(chunk))[None, :] == targets[:, None]
+    tgt = tgt + jnp.sum(jnp.where(hit & own[None, :], logits, 0.0), axis=1)
+    return m_new, s, sl, tgt
 
-  init = (jnp.full((n_rows,), _NEG, jnp.float32), jnp.zeros((n_rows,), jnp.float32),
-          jnp.zeros((n_rows,), jnp.float32), jnp.zeros((n_rows,), jnp.float32))
-  (m, s, sl, tgt), _ = jax.lax.scan(body, init, jnp.arange(n_chunks))
+  zero = jnp.zeros((n_rows,), jnp.float32)
+  init = (jnp.full((n_rows,), _NEG, jnp.float32), zero, zero, zero)
+  m, s, sl, tgt = scan_chunks(body, init, w, n_chunks(w.shape[1], chunk))
   lse = m + jnp.log(s)
   mean_logit = sl / s  # E_p[logits]
   return tgt - lse, lse - mean_logit, lse, mean_logit
@@ -65,34 +94,41 @@ def _token_logprobs(h, unembed, targets, temperature, softcap, chunk):
 
 
 def _fwd(h, unembed, targets, temperature, softcap, chunk):
+  h, unembed, targets = h.value, unembed.value, targets.value  # symbolic_zeros wraps the primals
   logp, entropy, lse, mean_logit = _forward(h, unembed, targets, temperature, softcap, chunk)
   return (logp, entropy, lse), (h, unembed, targets, lse, mean_logit)
 
 
 def _bwd(temperature, softcap, chunk, res, grads):
   h, unembed, targets, lse, mean_logit = res
-  g_logp, g_ent, g_lse = grads
-  padded, n_chunks, vocab = _padded(unembed, chunk)
+  g_logp, g_ent, g_lse = (None if isinstance(g, SymbolicZero) else g for g in grads)
+  w = unembed.astype(h.dtype)
 
-  def body(carry, i):
+  def body(carry, w, i):
     dh, dw = carry
-    w = jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=1)
-    logits, dz, cols = _chunk_logits(h, w, i * chunk, vocab, temperature, softcap)
+    w_chunk, start, own = _chunk(w, i, chunk)
+    logits, dz = _chunk_logits(h, w_chunk, own, temperature, softcap)
     p = jnp.exp(logits - lse[:, None])
     # d logp/dl = 1[target] - p;  d lse/dl = p;  d entropy/dl = -p (l - E_p[l]).
-    dl = (g_logp[:, None] * ((cols[None, :] == targets[:, None]).astype(jnp.float32) - p)
-          + g_lse[:, None] * p - g_ent[:, None] * p * (logits - mean_logit[:, None]))
-    dl = jnp.where(cols[None, :] < vocab, dl, 0.0) * dz
-    dh = dh + jnp.dot(dl, w.T.astype(jnp.float32))
-    dw = jax.lax.dynamic_update_slice_in_dim(dw, jnp.dot(h.T.astype(jnp.float32), dl), i * chunk, axis=1)
-    return (dh, dw), None
+    dl = jnp.zeros_like(p)
+    if g_logp is not None:
+      hit = ((start + jnp.arange(chunk))[None, :] == targets[:, None]).astype(jnp.float32)
+      dl = dl + g_logp[:, None] * (hit - p)
+    if g_lse is not None:
+      dl = dl + g_lse[:, None] * p
+    if g_ent is not None:
+      dl = dl - g_ent[:, None] * p * (logits - mean_logit[:, None])
+    dl = (jnp.where(own[None, :], dl, 0.0) * dz).astype(h.dtype)
+    dh = dh + jax.lax.dot_general(dl, w_chunk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw_chunk = jax.lax.dot_general(h, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dh, write_columns(dw, dw_chunk, start)
 
-  init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(padded.shape, jnp.float32))
-  (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(n_chunks))
-  return dh.astype(h.dtype), dw[:, :vocab].astype(unembed.dtype), None
+  init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(unembed.shape, unembed.dtype))
+  dh, dw = scan_chunks(body, init, w, n_chunks(w.shape[1], chunk), reverse=True)
+  return dh.astype(h.dtype), dw, None
 
 
-_token_logprobs.defvjp(_fwd, _bwd)
+_token_logprobs.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def token_logprobs_chunked(hidden_NxD, unembed_DxV, targets_N, *, temperature: float = 1.0,

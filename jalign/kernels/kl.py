@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jalign.kernels.chunked import _NEG, _chunk_logits, _padded
+from jalign.kernels.chunked import _NEG, _chunk, _chunk_logits, n_chunks, scan_chunks, write_columns
 
 IMPLS = ("xla", "chunked")
 
@@ -55,27 +55,26 @@ def _xla(hp, wp, hq, wq, temperature, softcap):
 
 def _stats(hp, wp, hq, wq, temperature, softcap, chunk):
   """Online (lse_p, lse_q, E_p[z_p - z_q]) over vocabulary chunks."""
-  wp_pad, n_chunks, vocab = _padded(wp.astype(hp.dtype), chunk)
-  wq_pad, _, _ = _padded(wq.astype(hq.dtype), chunk)
+  wp, wq = wp.astype(hp.dtype), wq.astype(hq.dtype)
   rows = hp.shape[0]
 
-  def body(carry, i):
+  def body(carry, ws, i):
     mp, sp, acc, mq, sq = carry
-    zp, _, _ = _chunk_logits(hp, jax.lax.dynamic_slice_in_dim(wp_pad, i * chunk, chunk, 1), i * chunk, vocab,
-                             temperature, softcap)
-    zq, _, _ = _chunk_logits(hq, jax.lax.dynamic_slice_in_dim(wq_pad, i * chunk, chunk, 1), i * chunk, vocab,
-                             temperature, softcap)
+    wp, wq = ws
+    wp_chunk, _, own = _chunk(wp, i, chunk)
+    zp, _ = _chunk_logits(hp, wp_chunk, own, temperature, softcap)
+    zq, _ = _chunk_logits(hq, _chunk(wq, i, chunk)[0], own, temperature, softcap)
     mp_new = jnp.maximum(mp, jnp.max(zp, axis=1))
     scale = jnp.exp(mp - mp_new)
     ep = jnp.exp(zp - mp_new[:, None])
     sp = sp * scale + jnp.sum(ep, axis=1)
-    acc = acc * scale + jnp.sum(ep * (zp - zq), axis=1)  # padded columns: e_p = 0 and z_p - z_q = 0
+    acc = acc * scale + jnp.sum(ep * (zp - zq), axis=1)  # columns not owned: e_p = 0 and z_p - z_q = 0
     mq_new = jnp.maximum(mq, jnp.max(zq, axis=1))
     sq = sq * jnp.exp(mq - mq_new) + jnp.sum(jnp.exp(zq - mq_new[:, None]), axis=1)
-    return (mp_new, sp, acc, mq_new, sq), None
+    return mp_new, sp, acc, mq_new, sq
 
   neg, zero = jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32)
-  (mp, sp, acc, mq, sq), _ = jax.lax.scan(body, (neg, zero, zero, neg, zero), jnp.arange(n_chunks))
+  mp, sp, acc, mq, sq = scan_chunks(body, (neg, zero, zero, neg, zero), (wp, wq), n_chunks(wp.shape[1], chunk))
   return mp + jnp.log(sp), mq + jnp.log(sq), acc / sp
 
 
@@ -93,23 +92,24 @@ def _fwd(hp, wp, hq, wq, temperature, softcap, chunk):
 
 def _bwd(temperature, softcap, chunk, res, g_kl):
   hp, wp, hq, wq, lse_p, lse_q, kl = res
-  wp_pad, n_chunks, vocab = _padded(wp.astype(hp.dtype), chunk)
-  wq_pad, _, _ = _padded(wq.astype(hq.dtype), chunk)
+  wp_c, wq_c = wp.astype(hp.dtype), wq.astype(hq.dtype)
 
-  def body(dh, i):
-    w_chunk = jax.lax.dynamic_slice_in_dim(wp_pad, i * chunk, chunk, 1)
-    zp, dz, cols = _chunk_logits(hp, w_chunk, i * chunk, vocab, temperature, softcap)
-    zq, _, _ = _chunk_logits(hq, jax.lax.dynamic_slice_in_dim(wq_pad, i * chunk, chunk, 1), i * chunk, vocab,
-                             temperature, softcap)
+  def body(carry, ws, i):
+    dh, dw = carry
+    wp_c, wq_c = ws
+    wp_chunk, start, own = _chunk(wp_c, i, chunk)
+    zp, dz = _chunk_logits(hp, wp_chunk, own, temperature, softcap)
+    zq, _ = _chunk_logits(hq, _chunk(wq_c, i, chunk)[0], own, temperature, softcap)
     lp, lq = zp - lse_p[:, None], zq - lse_q[:, None]
     dl = g_kl[:, None] * jnp.exp(lp) * (lp - lq - kl[:, None])
-    dl = jnp.where(cols[None, :] < vocab, dl, 0.0) * dz
-    dh = dh + jnp.dot(dl, w_chunk.T.astype(jnp.float32))
-    return dh, jnp.dot(hp.T.astype(jnp.float32), dl)
+    dl = (jnp.where(own[None, :], dl, 0.0) * dz).astype(hp.dtype)
+    dh = dh + jax.lax.dot_general(dl, wp_chunk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw_chunk = jax.lax.dot_general(hp, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dh, write_columns(dw, dw_chunk, start)
 
-  dh, dw_chunks = jax.lax.scan(body, jnp.zeros(hp.shape, jnp.float32), jnp.arange(n_chunks))
-  dw = jnp.moveaxis(dw_chunks, 0, 1).reshape(hp.shape[1], n_chunks * chunk)[:, :vocab]
-  return dh.astype(hp.dtype), dw.astype(wp.dtype), jnp.zeros_like(hq), jnp.zeros_like(wq)
+  init = (jnp.zeros(hp.shape, jnp.float32), jnp.zeros(wp.shape, wp.dtype))
+  dh, dw = scan_chunks(body, init, (wp_c, wq_c), n_chunks(wp.shape[1], chunk), reverse=True)
+  return dh.astype(hp.dtype), dw, jnp.zeros_like(hq), jnp.zeros_like(wq)
 
 
 _kl_chunked.defvjp(_fwd, _bwd)
