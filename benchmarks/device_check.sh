@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Accelerator check, one short run: the forward benchmark at GPU-sized shapes, bf16 and fp32.
-# Usage: bash benchmarks/device_check.sh   (prints figures to stdout; needs jax with CUDA, torch, transformers)
+# Accelerator check in one short run (a few minutes on one GPU or TPU chip, no network): log-prob kernels (xla,
+# chunked, the chip's Pallas kernel), one SFT and one GRPO step of a ~1B-parameter model (MFU), and the sampler's
+# decode rate against the HBM-bandwidth bound. Figures go to a JSON file (see benchmarks/device_check.py).
+#
+#   bash benchmarks/device_check.sh [--smoke] [--out FILE] [--only SECTION...]
+#
+# --smoke: tiny shapes on any backend (CI runs it on CPU). Needs jax (with the chip's plugin), flax and optax;
+# jalign itself is used from this checkout. Where flax or optax are missing, wheels placed in benchmarks/wheels/
+# are installed offline first. Exit status 1 when any section recorded an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -c "import jax; print('devices:', jax.devices())"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-python benchmarks/model_forward.py --hidden 2048 --layers 16 --vocab 32000 --batch 8 --seq 1024 --dtype bfloat16 --repeats 20
-python benchmarks/model_forward.py --hidden 1024 --layers 8 --vocab 32000 --batch 8 --seq 512 --dtype float32 --repeats 20 --skip-peer
+PY=${PYTHON:-python}
+if ! "$PY" -c "import jax, flax, optax" 2>/dev/null && compgen -G "benchmarks/wheels/*.whl" >/dev/null; then
+  "$PY" -m pip install --no-index --find-links benchmarks/wheels flax optax
+fi
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+fi
+exec "$PY" benchmarks/device_check.py "$@"

@@ -17,6 +17,10 @@ from jalign.models.config import ModelConfig
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
               "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12}
 
+# HBM bandwidth per chip, bytes/s, from the same spec sheets (H100: SXM; A100: 80 GB SXM).
+PEAK_HBM = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.039e12, "TPU v4": 1.2e12, "TPU v5 lite": 0.819e12,
+            "TPU v5e": 0.819e12, "TPU v5p": 2.765e12, "TPU v5": 2.765e12, "TPU v6 lite": 1.64e12, "TPU v6e": 1.64e12}
+
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token: 6 N (forward + backward of every matmul weight, the LM head included, the embedding
@@ -25,14 +29,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   return 6.0 * n + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 
 
+def _by_device_kind(table: dict) -> float | None:
+  kind = jax.devices()[0].device_kind.lower()
+  return next((value for name, value in table.items() if name.lower() in kind), None)
+
+
 def peak_flops(configured: float) -> float | None:
-  if configured > 0:
-    return configured
-  kind = jax.devices()[0].device_kind
-  for name, flops in PEAK_FLOPS.items():
-    if name.lower() in kind.lower():
-      return flops
-  return None
+  return configured if configured > 0 else _by_device_kind(PEAK_FLOPS)
+
+
+def peak_hbm_bandwidth() -> float | None:
+  return _by_device_kind(PEAK_HBM)
 
 
 class MetricsWriter:

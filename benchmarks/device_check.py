@@ -1,0 +1,226 @@
+"""One accelerator check in one short run: log-prob kernels, a ~1B-parameter SFT and GRPO step, and the sampler.
+
+    python benchmarks/device_check.py --out device_check.json           # on the accelerator (a few minutes)
+    python benchmarks/device_check.py --smoke --out /tmp/smoke.json     # tiny shapes on any backend (CI)
+
+Sections (each timed on its own; a failing section is recorded with its error and the others still run):
+- `logprobs`: value + gradient of `token_logprobs` at T=8192, D=2048, V=128256 in bf16 for `xla`, `chunked` and the
+  chip's Pallas kernel: time, TFLOP/s (6 T D V useful FLOPs) and GB/s (inputs + gradients) against the chip's
+  peaks, and each implementation's largest difference from `xla` on a small fp32 case (the first run of a kernel on
+  new hardware is a correctness check too).
+- `sft_step`, `grpo_step`: one train step of a Llama-3.2-1B-shaped model (bf16 compute, fp32 weights and AdamW),
+  tokens/s and MFU (PaLM's 6N + 12 L H Dh T FLOPs per token).
+- `decode`: `sampling.generate` tokens/s at batch 64 against the HBM-bandwidth bound (every decode step reads the
+  bf16 weights and the KV cache once).
+Only jax, flax and optax are needed (jalign is imported from the checkout). Figures go to `--out` as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jalign import kernels, models, sampling  # noqa: E402
+from jalign.objectives import grpo, sft  # noqa: E402
+from jalign.train.metrics import flops_per_token, peak_flops, peak_hbm_bandwidth  # noqa: E402
+from jalign.train.step import TrainState, make_step  # noqa: E402
+
+FULL = dict(logprob_shape=(8192, 2048, 128256), check_shape=(512, 256, 32003), seq=2048, sft_rows=8, grpo_rows=32,
+            grpo_prompt=256, decode_batch=64, decode_prompt=128, decode_new=256, repeats=5,
+            model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                       num_kv_heads=8, head_dim=64, tie_embeddings=True, max_position_embeddings=4096))
+SMOKE = dict(logprob_shape=(64, 32, 1000), check_shape=(24, 16, 203), seq=64, sft_rows=2, grpo_rows=4,
+             grpo_prompt=16, decode_batch=4, decode_prompt=8, decode_new=8, repeats=2,
+             model=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, tie_embeddings=True, max_position_embeddings=256))
+
+
+def best_time(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # compile + warm up
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def pallas_impl() -> tuple[str, bool]:
+  """The chip's Pallas kernel, or the GPU one in interpret mode elsewhere (smoke: exercises the code path)."""
+  backend = jax.default_backend()
+  return ("pallas_tpu", False) if backend == "tpu" else ("pallas_gpu", backend != "gpu")
+
+
+def logprobs_section(shapes: dict, peaks: dict) -> dict:
+  out = {}
+  pallas, interpret = pallas_impl()
+  impls = {"xla": {}, "chunked": {}, pallas: dict(interpret=interpret)}
+
+  def value_and_grad(impl, kw):
+    return jax.jit(jax.value_and_grad(
+        lambda h, w, y: jnp.sum(kernels.token_logprobs(h, w, y, impl=impl, **kw)[0]), argnums=(0, 1)))
+
+  # Correctness on this chip: fp32, a ragged vocabulary, against xla.
+  t, d, v = shapes["check_shape"]
+  rng = np.random.RandomState(0)
+  h, w = jnp.asarray(rng.randn(t, d), jnp.float32), jnp.asarray(rng.randn(d, v) * 0.05, jnp.float32)
+  y = jnp.asarray(rng.randint(0, v, t))
+  ref = value_and_grad("xla", {})(h, w, y)
+  for impl, kw in impls.items():
+    entry = out.setdefault(impl, {})
+    try:
+      got = value_and_grad(impl, kw)(h, w, y)
+      entry["max_abs_diff_vs_xla"] = {"loss": float(jnp.abs(got[0] - ref[0])),
+                                      "d_hidden": float(jnp.max(jnp.abs(got[1][0] - ref[1][0]))),
+                                      "d_unembed": float(jnp.max(jnp.abs(got[1][1] - ref[1][1])))}
+    except Exception as e:  # noqa: BLE001 - recorded, the other implementations still run
+      entry["error"] = _error(e)
+
+  t, d, v = shapes["logprob_shape"]
+  h = jnp.asarray(rng.randn(t, d), jnp.bfloat16)
+  w = jnp.asarray(rng.randn(d, v) * 0.02, jnp.bfloat16)
+  y = jnp.asarray(rng.randint(0, v, t))
+  flops, nbytes = 6.0 * t * d * v, 2 * 2 * (t * d + d * v)
+  for impl, kw in impls.items():
+    entry = out[impl]
+    if "error" in entry:
+      continue
+    try:
+      fn = value_and_grad(impl, kw)
+      secs = best_time(lambda: fn(h, w, y), shapes["repeats"])
+      entry.update(shape=[t, d, v], dtype="bfloat16", seconds=secs, tflops=flops / secs / 1e12,
+                   gbytes_per_s=nbytes / secs / 1e9)
+      if peaks["flops"]:
+        entry["fraction_of_peak_flops"] = flops / secs / peaks["flops"]
+      if peaks["hbm"]:
+        entry["fraction_of_peak_hbm"] = nbytes / secs / peaks["hbm"]
+      entry["temp_bytes"] = fn.lower(h, w, y).compile().memory_analysis().temp_size_in_bytes
+    except Exception as e:  # noqa: BLE001
+      entry["error"] = _error(e)
+  return out
+
+
+def _model(shapes, param_dtype="float32"):
+  cfg = models.ModelConfig(**shapes["model"], dtype="bfloat16", param_dtype=param_dtype)
+  return cfg, models.create(cfg, seed=0)
+
+
+def _train_step(cfg, lm, loss_fn, batch, repeats, seq_len, peaks) -> dict:
+  graphdef, params = nnx.split(lm)
+  params = nnx.to_pure_dict(params)
+  optimizer = optax.adamw(1e-5)
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  step = jax.jit(make_step(loss_fn(graphdef), optimizer, lambda s: 1e-5, 1), donate_argnums=0)
+  holder = {"state": state}
+
+  def run():
+    holder["state"], metrics = step(holder["state"], batch)
+    return metrics
+
+  secs = best_time(run, repeats)
+  tokens = int(np.prod(batch["tokens"].shape))
+  out = {"params": cfg.num_params(), "tokens_per_step": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
+  if peaks["flops"]:
+    out["mfu"] = tokens / secs * flops_per_token(cfg, seq_len) / peaks["flops"]
+  return out
+
+
+def sft_section(shapes, peaks) -> dict:
+  cfg, lm = _model(shapes)
+  rows, seq = shapes["sft_rows"], shapes["seq"]
+  rng = np.random.RandomState(1)
+  batch = {"tokens": jnp.asarray(rng.randint(0, cfg.vocab_size, (rows, seq)), jnp.int32),
+           "segment_ids": jnp.ones((rows, seq), jnp.int32),
+           "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
+           "loss_mask": jnp.ones((rows, seq), jnp.int32)}
+  return _train_step(cfg, lm, lambda g: sft.make_loss_fn(g), batch, shapes["repeats"], seq, peaks)
+
+
+def grpo_section(shapes, peaks) -> dict:
+  cfg, lm = _model(shapes)
+  rows, seq, p = shapes["grpo_rows"], shapes["seq"], shapes["grpo_prompt"]
+  r = seq - p
+  rng = np.random.RandomState(2)
+  tokens = rng.randint(0, cfg.vocab_size, (rows, seq))
+  batch = {"tokens": jnp.asarray(tokens, jnp.int32), "segment_ids": jnp.ones((rows, seq), jnp.int32),
+           "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
+           "response": jnp.asarray(tokens[:, p:], jnp.int32), "response_mask": jnp.ones((rows, r), jnp.int32),
+           "advantages": jnp.asarray(rng.randn(rows, r), jnp.float32),
+           "ref_logp": jnp.asarray(-rng.rand(rows, r) * 5, jnp.float32)}
+  loss = lambda g: grpo.make_loss_fn(g, grpo.GrpoLossConfig(global_rows=rows))  # noqa: E731
+  return _train_step(cfg, lm, loss, batch, shapes["repeats"], seq, peaks)
+
+
+def decode_section(shapes, peaks) -> dict:
+  cfg, lm = _model(shapes, param_dtype="bfloat16")
+  b, p, new = shapes["decode_batch"], shapes["decode_prompt"], shapes["decode_new"]
+  rng = np.random.RandomState(3)
+  ids = rng.randint(0, cfg.vocab_size, (b, p))
+  mask = np.ones((b, p), np.int32)
+
+  def run():
+    return sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=new, temperature=1.0,
+                             cache_dtype=jnp.bfloat16).tokens
+
+  secs = best_time(run, max(1, shapes["repeats"] // 2))
+  out = {"batch": b, "prompt": p, "new_tokens": new, "seconds": secs, "tokens_per_s": b * new / secs}
+  # Each decode step reads every weight once (bf16) and the KV cache filled so far (on average half-way).
+  weight_bytes = cfg.num_params() * 2
+  kv_bytes = b * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (sampling.prompt_bucket(p) + new / 2) * 2
+  out["bytes_per_decode_step"] = weight_bytes + kv_bytes
+  if peaks["hbm"]:
+    bound = b * peaks["hbm"] / (weight_bytes + kv_bytes)
+    out.update(bound_tokens_per_s=bound, fraction_of_bound=out["tokens_per_s"] / bound)
+  return out
+
+
+def _error(e: Exception) -> str:
+  return f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-4:])[-2000:]
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes (any backend; for CI)")
+  ap.add_argument("--out", default="device_check.json")
+  ap.add_argument("--only", nargs="*", default=(), help="run only these sections")
+  args = ap.parse_args()
+  shapes = SMOKE if args.smoke else FULL
+  device = jax.devices()[0]
+  peaks = {"flops": peak_flops(0.0), "hbm": peak_hbm_bandwidth()}
+  report = {"backend": jax.default_backend(), "device_kind": device.device_kind, "devices": jax.device_count(),
+            "jax": jax.__version__, "smoke": args.smoke, "peak_flops": peaks["flops"], "peak_hbm_bytes_per_s":
+            peaks["hbm"], "sections": {}}
+  sections = {"logprobs": logprobs_section, "sft_step": sft_section, "grpo_step": grpo_section,
+              "decode": decode_section}
+  failed = False
+  for name, fn in sections.items():
+    if args.only and name not in args.only:
+      continue
+    start = time.perf_counter()
+    try:
+      report["sections"][name] = fn(shapes, peaks)
+    except Exception as e:  # noqa: BLE001 - the other sections still run
+      report["sections"][name] = {"error": _error(e)}
+    report["sections"][name]["wall_s"] = time.perf_counter() - start
+    failed |= "error" in json.dumps(report["sections"][name])
+    print(f"{name}: {json.dumps(report['sections'][name], indent=1)}", flush=True)
+    with open(args.out + ".tmp", "w", encoding="utf-8") as f:  # complete after every section, replaced atomically
+      json.dump(report, f, indent=1)
+    os.replace(args.out + ".tmp", args.out)
+  print(f"wrote {args.out}")
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()
