@@ -137,8 +137,9 @@ def test_unknown_impl():
     token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas_tpu", blocks=(8, 8), interpret=True)
 
 
-def test_dpo_and_grpo_steps_agree_between_xla_and_chunked():
-  """Whole objectives: loss and gradients through `chunked` (vocabulary 288 in chunks of 100) equal `xla`."""
+def test_dpo_and_grpo_steps_agree_across_impls():
+  """Whole objectives: loss and gradients through `chunked` (vocabulary 288 in chunks of 100) and the Pallas kernels
+  (interpret mode, tiles of 96 columns) equal `xla`."""
   from flax import nnx
 
   from jalign import models
@@ -162,15 +163,17 @@ def test_dpo_and_grpo_steps_agree_between_xla_and_chunked():
          "advantages": rng.randn(n, r).astype(np.float32), "old_logp": -rng.rand(n, r).astype(np.float32) * 5,
          "ref_logp": -rng.rand(n, r).astype(np.float32) * 5}
   seq["response"] = seq["tokens"][:, p:]
-  opts = lambda impl: LogprobOptions(impl=impl, chunk=100)  # noqa: E731
+  opts = lambda impl: LogprobOptions(impl=impl, chunk=100, interpret=impl.startswith("pallas"),  # noqa: E731
+                                     blocks=(32, 96, 16) if impl.startswith("pallas") else ())
   cases = [(lambda impl: dpo.make_loss_fn(graphdef, dpo.DpoLossConfig(rpo_alpha=0.5), logprobs=opts(impl)), pairs),
            (lambda impl: grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(), opts(impl)), seq)]
   for make, batch in cases:
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     out = {}
-    for impl in ("xla", "chunked"):
+    for impl in ("xla", "chunked", "pallas_gpu", "pallas_tpu"):
       fn = make(impl)
       out[impl] = jax.value_and_grad(lambda prm: fn(prm, batch)[0])(params)
-    np.testing.assert_allclose(out["chunked"][0], out["xla"][0], rtol=1e-5)
-    for g1, g2 in zip(jax.tree.leaves(out["chunked"][1]), jax.tree.leaves(out["xla"][1])):
-      np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-6)
+    for impl in ("chunked", "pallas_gpu", "pallas_tpu"):
+      np.testing.assert_allclose(out[impl][0], out["xla"][0], rtol=1e-5)
+      for g1, g2 in zip(jax.tree.leaves(out[impl][1]), jax.tree.leaves(out["xla"][1])):
+        np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-6)

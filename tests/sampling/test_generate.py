@@ -112,7 +112,7 @@ def test_generation_on_the_mesh_equals_one_device(tmp_path):
   kw = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, num_samples=2)
   one = sampling.generate(models.from_pretrained(path), ids, mask, jax.random.key(5), **kw)
   mesh = models.make_mesh((1, 4, 2))
-  with mesh:
+  with jax.set_mesh(mesh):
     eight = sampling.generate(models.from_pretrained(path, mesh=mesh), ids, mask, jax.random.key(5), **kw)
   np.testing.assert_array_equal(np.asarray(eight.tokens), np.asarray(one.tokens))
   np.testing.assert_allclose(np.asarray(eight.logprobs), np.asarray(one.logprobs), atol=1e-5)
@@ -143,7 +143,7 @@ def test_sampling_layout_without_fsdp(tmp_path):
   rules = models.without_fsdp(models.DEFAULT_RULES)
   assert dict(rules)["embed"] is None and dict(rules)["batch"] == "data" and dict(rules)["heads"] == "tensor"
   lm = models.from_pretrained(path, mesh=mesh)
-  with mesh:
+  with jax.set_mesh(mesh):
     out = sampling.generate(lm, ids, mask, jax.random.key(5), mesh=mesh, rules=rules, **kw)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
   assert lm.layers.q[...].sharding.spec[1] == "fsdp"  # the training copy keeps its layout

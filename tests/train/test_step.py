@@ -25,7 +25,7 @@ def _one_step(mesh_shape, micro_batches=1, batch_size=8):
                    parallel.batch_sharding(s.mesh, leading_micro_axis=True))
   jitted = jax.jit(step, in_shardings=(s.state_shardings, parallel.batch_sharding(s.mesh)),
                    out_shardings=(s.state_shardings, parallel.replicated(s.mesh)))
-  with s.mesh:
+  with jax.set_mesh(s.mesh):  # the vocabulary-sharded log-prob path reads the mesh from here
     state, metrics = jitted(s.state, loop.global_batch(local, parallel.batch_sharding(s.mesh)))
   return state, jax.device_get(metrics)
 
