@@ -149,7 +149,10 @@ class GrpoSection:
   prompts_per_step: int = 16           # x sampling.num_samples completions per step
   mini_batches: int = 1                # optimizer updates per epoch over the step's completions
   ppo_epochs: int = 1
-  adv_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+  # grpo / drgrpo / rloo: group baselines; gae: PPO with a learned critic; reinforce_pp(_baseline): REINFORCE++.
+  adv_estimator: Literal["grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+  gamma: float = 1.0                   # discount (verl algorithm.gamma)
+  lam: float = 1.0                     # GAE lambda (verl algorithm.lam)
   clip_low: float = 0.2
   clip_high: float = 0.28              # DAPO clip-higher (Yu et al. 2025); 0.2 = symmetric PPO
   clip_c: float | None = None          # dual clip (Ye et al. 2020); None = off
@@ -157,7 +160,15 @@ class GrpoSection:
   agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
   kl_coef: float = 0.001               # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl)
   kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
+  kl_in_reward: bool = False           # subtract kl_coef x KL(old || ref) from token rewards instead (verl
+                                       # use_kl_in_reward); the KL loss term is then off
+  kl_ctrl: Literal["fixed", "adaptive"] = "fixed"   # adaptive (Ziegler et al. 2019) steers the in-reward kl_coef
+  kl_target: float = 0.1               # adaptive: target KL per token (verl kl_ctrl.target_kl)
+  kl_horizon: int = 10000              # adaptive: horizon in rollouts (verl kl_ctrl.horizon)
   entropy_coef: float = 0.0
+  critic_lr: float = 1e-5              # gae: the critic's own AdamW learning rate (verl critic.optim.lr)
+  value_clip: float = 0.5              # gae: clip of the value update around the rollout values (verl)
+  critic_warmup: int = 0               # gae: first steps update only the critic (verl trainer.critic_warmup)
   dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal
   eval_prompts: str = ""               # held-out prompts for greedy accuracy; "" = none
   eval_examples: int = 500
@@ -197,7 +208,7 @@ class DpoSection:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  task: Literal["sft", "rollout", "grpo", "rm", "dpo"] = "sft"
+  task: Literal["sft", "rollout", "grpo", "ppo", "rm", "dpo"] = "sft"
   run_dir: str = "runs/default"
   seed: int = 0
   tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
@@ -342,9 +353,9 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
   if cfg.task in ("rm", "dpo"):
     _validate_preference(cfg)
-  if cfg.task in ("rollout", "grpo"):
+  if cfg.task in ("rollout", "grpo", "ppo"):
     _validate_rollout(cfg)
-  if cfg.task == "grpo":
+  if cfg.task in ("grpo", "ppo"):
     _validate_grpo(cfg)
     mb_rows = cfg.grpo.prompts_per_step * cfg.sampling.num_samples // cfg.grpo.mini_batches
     if mb_rows % dp:
@@ -454,6 +465,18 @@ def _validate_grpo(cfg: RunConfig) -> None:
     raise ConfigError(f"config.grpo.clip_c={g.clip_c}: the dual-clip bound must be > 1")
   if s.temperature == 0:
     raise ConfigError("config.sampling.temperature=0: GRPO needs sampled (not greedy) completions")
+  if cfg.task == "ppo" and g.adv_estimator != "gae":
+    raise ConfigError(f"config.grpo.adv_estimator={g.adv_estimator!r}: task 'ppo' trains a critic for GAE; set "
+                      "'gae' (or use task 'grpo' for critic-free estimators)")
+  if g.kl_ctrl == "adaptive" and not g.kl_in_reward:
+    raise ConfigError("config.grpo.kl_ctrl='adaptive' steers the KL subtracted from the reward; set "
+                      "grpo.kl_in_reward=True (or kl_ctrl='fixed')")
+  if g.kl_target <= 0 or g.kl_horizon <= 0:
+    raise ConfigError(f"config.grpo.kl_target={g.kl_target} and kl_horizon={g.kl_horizon} must be positive")
+  if not 0 <= g.gamma <= 1 or not 0 <= g.lam <= 1:
+    raise ConfigError(f"config.grpo.gamma={g.gamma} and lam={g.lam} must be in [0, 1]")
+  if g.value_clip <= 0:
+    raise ConfigError(f"config.grpo.value_clip={g.value_clip} must be positive")
 
 
 def sampling_rules(cfg: RunConfig):

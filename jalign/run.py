@@ -38,7 +38,8 @@ def run_dpo(cfg: RunConfig) -> dict:
   return dpo.run(cfg)
 
 
-TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo, "rm": run_rm, "dpo": run_dpo}
+TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo, "ppo": run_grpo, "rm": run_rm,
+         "dpo": run_dpo}
 
 
 def main(argv):

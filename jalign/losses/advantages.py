@@ -109,3 +109,25 @@ def outcome_to_tokens(scores_B, mask_BxT):
   mask = mask_BxT.astype(jnp.float32)
   last = jnp.max(jnp.where(mask > 0, jnp.arange(mask.shape[1]), -1), axis=1)
   return jax.nn.one_hot(last, mask.shape[1]) * scores_B[:, None]
+
+
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def estimate(estimator: str, token_rewards_BxT, mask_BxT, group_ids_B, *, values_BxT=None, gamma: float = 1.0,
+             lam: float = 1.0):
+  """(advantages [B, T], returns [B, T] or None) by name, from token-level rewards (the outcome on the last token,
+  minus any in-reward KL). Outcome-based estimators score a sequence by its summed token rewards, as verl does."""
+  mask = mask_BxT.astype(jnp.float32)
+  if estimator == "gae":
+    return gae(token_rewards_BxT, values_BxT, mask, gamma=gamma, lam=lam)
+  if estimator == "reinforce_pp":
+    return reinforce_pp(token_rewards_BxT, mask, gamma=gamma)
+  scores = jnp.sum(token_rewards_BxT * mask, axis=-1)
+  if estimator == "reinforce_pp_baseline":
+    return reinforce_pp_baseline(scores, group_ids_B, mask), None
+  if estimator == "rloo":
+    return rloo(scores, group_ids_B)[:, None] * mask, None
+  if estimator in ("grpo", "drgrpo"):
+    return grpo(scores, group_ids_B, norm_by_std=estimator == "grpo")[:, None] * mask, None
+  raise ValueError(f"advantage estimator {estimator!r}; accepted: {', '.join(ESTIMATORS)}")

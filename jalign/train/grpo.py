@@ -1,7 +1,11 @@
-"""Online GRPO: prompts -> `sampling.generate` (n per prompt) -> rewards -> group advantages -> ppo_epochs x
-mini-batches of clipped-surrogate updates with a KL penalty to the frozen reference policy.
+"""GRPO and PPO: prompts -> `sampling.generate` (n per prompt) -> rewards -> advantages -> ppo_epochs x
+mini-batches of clipped-surrogate updates with a KL penalty to the frozen reference policy (in the loss, or
+subtracted from the reward with a fixed or adaptive coefficient). Advantages come from group baselines (GRPO,
+Dr.GRPO, RLOO, REINFORCE++-baseline), discounted returns (REINFORCE++) or GAE over a learned critic (PPO; the critic
+has its own optimizer and is updated on the same mini-batches). Online, or offline from a replay buffer.
 
-Checkpoints hold the train state and the prompt iterator; a rerun resumes where the last checkpoint left off.
+Checkpoints hold the train state, the prompt iterator, the critic and the KL coefficient; a rerun resumes where the
+last checkpoint left off.
 """
 from __future__ import annotations
 
@@ -18,13 +22,14 @@ from flax import nnx
 from jalign import models, parallel, sampling
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
-from jalign.losses import advantages as adv_lib
+from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.rl import buffer as buffer_lib
 from jalign.rl.rollout import Prompt, encode_prompt, left_pad
 from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
+from jalign.train.critic import Critic
 from jalign.train.metrics import MetricsWriter
 from jalign.train.step import make_step
 
@@ -110,8 +115,9 @@ def run(cfg: RunConfig) -> dict:
 
   rows = g.prompts_per_step * s.num_samples
   loss_cfg = objective.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode,
-                                      agg=g.agg, kl_coef=g.kl_coef, kl_kind=g.kl_kind, entropy_coef=g.entropy_coef,
-                                      temperature=s.temperature, global_rows=rows // g.mini_batches)
+                                      agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
+                                      entropy_coef=g.entropy_coef, temperature=s.temperature,
+                                      global_rows=rows // g.mini_batches)
   batch_sharding = parallel.batch_sharding(mesh)
   rep = parallel.replicated(mesh)
   step_fn = make_step(objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options()), optimizer,
@@ -123,6 +129,17 @@ def run(cfg: RunConfig) -> dict:
                                                                       cfg.logprobs.options())[0])
   state = setup.state
   reference = jax.tree.map(jnp.copy, state.params)  # frozen: the policy as loaded
+  critic = Critic(cfg, nnx.merge(graphdef, state.params), mesh, rows // g.mini_batches) \
+      if g.adv_estimator == "gae" else None
+  kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
+
+  def extra_state():
+    extra = {}
+    if critic is not None:
+      extra["critic"] = critic.state
+    if kl_ctl is not None:
+      extra["kl_coef"] = jax.device_put(jnp.asarray(kl_ctl.value, jnp.float32), rep)
+    return extra or None
 
   prompts_it = _prompt_iterator(cfg, len(source))
   ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
@@ -130,7 +147,15 @@ def run(cfg: RunConfig) -> dict:
   start = 0
   latest = ckpt.latest_step() if cfg.checkpoint.resume else None
   if latest is not None:
-    state = ckpt.restore(latest, abstract_like(state), prompts_it)
+    extra = extra_state()
+    if extra is None:
+      state = ckpt.restore(latest, abstract_like(state), prompts_it)
+    else:
+      state, extra = ckpt.restore(latest, abstract_like(state), prompts_it, abstract_extra=abstract_like(extra))
+      if critic is not None:
+        critic.state = extra["critic"]
+      if kl_ctl is not None:
+        kl_ctl.value = float(extra["kl_coef"])
     start = latest
   writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, as_dict(cfg))
   key = jax.random.key(cfg.seed)
@@ -168,29 +193,28 @@ def run(cfg: RunConfig) -> dict:
       t_gen = time.perf_counter() - t0
 
       groups = np.repeat(np.arange(g.prompts_per_step), s.num_samples)
-      if g.adv_estimator == "rloo":
-        advantage = np.asarray(adv_lib.rloo(jnp.asarray(scores), jnp.asarray(groups)))
-      else:
-        advantage = np.asarray(adv_lib.grpo(jnp.asarray(scores), jnp.asarray(groups),
-                                            norm_by_std=g.adv_estimator == "grpo"))
       response_mask = (np.arange(s.max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
       grouped = scores.reshape(g.prompts_per_step, s.num_samples)
       informative = np.repeat(grouped.max(1) > grouped.min(1), s.num_samples)
-      if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
-        response_mask = response_mask * informative[:, None]
       prompt_ids, prompt_mask = np.repeat(ids, s.num_samples, 0), np.repeat(mask, s.num_samples, 0)
-      segment = np.concatenate([prompt_mask, (np.arange(s.max_new_tokens)[None] < lengths[:, None])], 1)
+      segment = np.concatenate([prompt_mask, response_mask], 1)
       batch = {"tokens": np.concatenate([prompt_ids, response], 1).astype(np.int32),
                "segment_ids": segment.astype(np.int32),
                "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
-               "response": response.astype(np.int32), "response_mask": response_mask,
-               "advantages": np.repeat(advantage[:, None], s.max_new_tokens, 1).astype(np.float32)}
+               "response": response.astype(np.int32), "response_mask": response_mask}
       if behaviour is not None:  # offline: importance ratios against the stored behaviour log-probs
         batch["old_logp"] = behaviour
       device_batch = loop.global_batch(batch, batch_sharding)
-      if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1):  # else on-policy: see objectives.grpo
-        device_batch["old_logp"] = logprobs(state.params, device_batch)
+      if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
+        device_batch["old_logp"] = logprobs(state.params, device_batch)  # else on-policy: see objectives.grpo
       device_batch["ref_logp"] = logprobs(reference, device_batch)
+      kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef
+      adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef)
+      if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
+        extra_cols["response_mask"] = response_mask * informative[:, None]
+      device_batch.update(loop.global_batch({"advantages": adv, **extra_cols}, batch_sharding))
+      if kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
+        kl_ctl.value = float(np.float32(kl_ctl.update(adv_metrics["actor/reward_kl"], rows)))
 
       t1 = time.perf_counter()
       sums: dict[str, float] = {}
@@ -199,11 +223,18 @@ def run(cfg: RunConfig) -> dict:
         order = np.asarray(jax.random.permutation(jax.random.fold_in(order_key, epoch), rows))
         for chunk in np.split(order, g.mini_batches):
           mb = jax.device_put({k: v[jnp.asarray(chunk)] for k, v in device_batch.items()}, batch_sharding)
-          state, m = update(state, mb)
+          m = {}
+          if critic is None or step >= g.critic_warmup:
+            state, m = update(state, mb)
+          if critic is not None:
+            m = {**m, **critic.update(mb)}
           for k, v in jax.device_get(m).items():
             sums[k] = sums.get(k, 0.0) + float(v)
       n_updates = g.ppo_epochs * g.mini_batches
       metrics = {k.replace("train/loss", "actor/loss"): v / n_updates for k, v in sums.items()}
+      metrics.update(adv_metrics)
+      if kl_ctl is not None or g.kl_in_reward:
+        metrics["actor/kl_coef"] = kl_coef
       if model_reward is not None and offline is None:
         metrics["critic/rm_score/mean"] = float(np.mean(rm_scores))
       metrics.update({"critic/score/mean": float(np.mean(scores)), "response_length/mean": float(np.mean(lengths)),
@@ -215,20 +246,20 @@ def run(cfg: RunConfig) -> dict:
         writer.write(step + 1, metrics)
       writer.advance()
       if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
-        ckpt.save(step + 1, state, prompts_it, as_dict(cfg))
+        ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
       if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts:
         acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
         writer.write(step + 1, {"eval/accuracy": acc})
         writer.print(f"step {step + 1}: held-out {metric} accuracy {acc:.4f}  KL to reference "
                      f"{metrics.get('actor/kl_loss', 0.0):.4f}")
       if g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl:
-        ckpt.save(step + 1, state, prompts_it, as_dict(cfg))
+        ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
         writer.print(f"stopping at step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds "
                      f"grpo.max_kl={g.max_kl}; checkpoint saved")
         break
     else:
       if latest is None or latest < cfg.train.steps:
-        ckpt.save(cfg.train.steps, state, prompts_it, as_dict(cfg))
+        ckpt.save(cfg.train.steps, state, prompts_it, as_dict(cfg), extra=extra_state())
     ckpt.close()
     if eval_prompts:
       acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
@@ -241,3 +272,29 @@ def run(cfg: RunConfig) -> dict:
       models.save_pretrained(policy(state), os.path.join(cfg.run_dir, "hf"), tokenizer=tok)
   writer.close()
   return final
+
+
+def _advantages(g, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic: Critic | None,
+                kl_coef: float):
+  """Host arrays: advantages [N, R], the extra batch columns (`returns`, `old_values` for the critic) and metrics.
+  Token rewards are the outcome on each response's last token, minus kl_coef x KL(old || ref) per token when the KL
+  goes in the reward (verl `apply_kl_penalty`)."""
+  mask = device_batch["response_mask"].astype(jnp.float32)
+  token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(scores), mask)
+  metrics = {}
+  if g.kl_in_reward:
+    kl = policy_lib.kl_penalty(device_batch["old_logp"], device_batch["ref_logp"], g.kl_kind) * mask
+    token_rewards = token_rewards - kl_coef * kl
+    metrics["actor/reward_kl"] = float(adv_lib.masked_mean(kl, mask))
+  values = critic.values(device_batch) if critic is not None else None
+  adv, returns = adv_lib.estimate(g.adv_estimator, token_rewards, mask, jnp.asarray(groups), values_BxT=values,
+                                  gamma=g.gamma, lam=g.lam)
+  extra = {}
+  if critic is not None:
+    returns, values, m = np.asarray(returns), np.asarray(values), np.asarray(mask)
+    extra = {"returns": returns.astype(np.float32), "old_values": values.astype(np.float32)}
+    r, residual = returns[m > 0], (returns - values)[m > 0]
+    metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r.var(), 1e-8)),
+                    "critic/values/mean": float(values[m > 0].mean()), "critic/returns/mean": float(r.mean())})
+  metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
+  return np.asarray(adv, np.float32), extra, metrics

@@ -1,0 +1,46 @@
+"""PPO's critic at train time: its own parameters, optimizer (and learning rate) and jitted value / update steps,
+laid out on the policy's mesh with the same rules."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jalign import models, parallel
+from jalign.config import RunConfig
+from jalign.objectives import ppo
+from jalign.train import optimizer as optim_lib
+from jalign.train.step import TrainState, make_step
+
+
+class Critic:
+  def __init__(self, cfg: RunConfig, policy_lm: models.Decoder, mesh, global_rows: int):
+    g = cfg.grpo
+    module = ppo.make_critic(policy_lm, seed=cfg.seed + 1)
+    self.graphdef, params = nnx.split(module)
+    params = nnx.to_pure_dict(params)
+    param_shardings = nnx.to_pure_dict(models.state_shardings(module, mesh, cfg.mesh.rules))
+    params = jax.device_put(params, param_shardings)
+    optimizer, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=g.critic_lr), cfg.train.steps)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
+    rep = parallel.replicated(mesh)
+    self.state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), params,
+                            jax.jit(optimizer.init, out_shardings=opt_shardings)(params))
+    shardings = TrainState(rep, param_shardings, opt_shardings)
+    batch_sharding = parallel.batch_sharding(mesh)
+    loss = ppo.make_value_loss_fn(self.graphdef, ppo.ValueLossConfig(clip=g.value_clip, agg=g.agg,
+                                                                      global_rows=global_rows))
+    step = make_step(loss, optimizer, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True))
+    self._update = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, rep),
+                           donate_argnums=0)
+    self._values = jax.jit(lambda params, batch: ppo.response_values(self.graphdef, params, batch))
+
+  def values(self, batch: dict) -> jax.Array:
+    return self._values(self.state.params, batch)
+
+  def update(self, batch: dict) -> dict:
+    self.state, metrics = self._update(self.state, batch)
+    return {k.replace("train/", "critic/"): v for k, v in metrics.items() if k not in ("train/loss", "train/weight")}
