@@ -34,9 +34,11 @@ def get_config(arg=None):
   c.grpo = ml_collections.ConfigDict(dict(
       # One on-policy update per step over 64 prompts x 8 samples (no separate old-policy forward).
       prompts="synthetic:arith:train", buffer="", prompts_per_step=64, mini_batches=1, ppo_epochs=1,
-      adv_estimator="grpo",
+      adv_estimator="grpo", gamma=1.0, lam=1.0, critic_lr=1e-5, value_clip=0.5, critic_warmup=0,
       clip_low=0.2, clip_high=0.28, loss_mode="vanilla", agg="token-mean", kl_coef=0.001, kl_kind="k3",
-      entropy_coef=0.0, dynamic_sampling=True, eval_prompts="synthetic:arith:test", eval_examples=500, max_kl=0.0))
+      kl_in_reward=False, kl_ctrl="fixed", kl_target=0.1, kl_horizon=10000,
+      entropy_coef=0.0, dynamic_sampling=True, eval_prompts="synthetic:arith:test", eval_examples=500,
+      max_kl=0.0, max_kl_action="stop", kl_lr_factor=0.5, entropy_floor=0.01))
   c.grpo.clip_c = ml_collections.config_dict.placeholder(float)
   c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=2, resume=True, export_hf=True, async_save=True))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,

@@ -172,7 +172,10 @@ class GrpoSection:
   dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal
   eval_prompts: str = ""               # held-out prompts for greedy accuracy; "" = none
   eval_examples: int = 500
-  max_kl: float = 0.0                  # stop when the mean KL to the reference exceeds this; 0 = off
+  max_kl: float = 0.0                  # bound on the mean KL to the reference; 0 = off
+  max_kl_action: Literal["stop", "lower_lr"] = "stop"   # past max_kl: checkpoint and stop, or lower the lr
+  kl_lr_factor: float = 0.5            # lower_lr: multiply the learning rate by this at each breach
+  entropy_floor: float = 0.01          # warn (monitor/entropy_collapse) below this mean token entropy; 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,6 +478,8 @@ def _validate_grpo(cfg: RunConfig) -> None:
     raise ConfigError(f"config.grpo.kl_target={g.kl_target} and kl_horizon={g.kl_horizon} must be positive")
   if not 0 <= g.gamma <= 1 or not 0 <= g.lam <= 1:
     raise ConfigError(f"config.grpo.gamma={g.gamma} and lam={g.lam} must be in [0, 1]")
+  if not 0 < g.kl_lr_factor < 1:
+    raise ConfigError(f"config.grpo.kl_lr_factor={g.kl_lr_factor} must be in (0, 1)")
   if g.value_clip <= 0:
     raise ConfigError(f"config.grpo.value_clip={g.value_clip} must be positive")
 

@@ -9,6 +9,7 @@ last checkpoint left off.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -26,6 +27,7 @@ from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.rl import buffer as buffer_lib
+from jalign.rl.monitors import Monitors
 from jalign.rl.rollout import Prompt, encode_prompt, left_pad
 from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
@@ -120,11 +122,18 @@ def run(cfg: RunConfig) -> dict:
                                       global_rows=rows // g.mini_batches)
   batch_sharding = parallel.batch_sharding(mesh)
   rep = parallel.replicated(mesh)
-  step_fn = make_step(objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options()), optimizer,
-                      lr_schedule, 1,
-                      parallel.batch_sharding(mesh, leading_micro_axis=True))
-  update = jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
+  loss_fn = objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options())
+
+  def build_update(lr_scale: float):
+    """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
+    not depend on it, so lowering it mid-run only recompiles)."""
+    opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps)
+    step_fn = make_step(loss_fn, opt, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True))
+    return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                    out_shardings=(setup.state_shardings, rep), donate_argnums=0)
+
+  lr_scale = 1.0
+  update = build_update(lr_scale)
   logprobs = jax.jit(lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,
                                                                       cfg.logprobs.options())[0])
   state = setup.state
@@ -139,6 +148,8 @@ def run(cfg: RunConfig) -> dict:
       extra["critic"] = critic.state
     if kl_ctl is not None:
       extra["kl_coef"] = jax.device_put(jnp.asarray(kl_ctl.value, jnp.float32), rep)
+    if g.max_kl_action == "lower_lr":
+      extra["lr_scale"] = jax.device_put(jnp.asarray(lr_scale, jnp.float32), rep)
     return extra or None
 
   prompts_it = _prompt_iterator(cfg, len(source))
@@ -156,10 +167,14 @@ def run(cfg: RunConfig) -> dict:
         critic.state = extra["critic"]
       if kl_ctl is not None:
         kl_ctl.value = float(extra["kl_coef"])
+      if g.max_kl_action == "lower_lr" and float(extra["lr_scale"]) != lr_scale:
+        lr_scale = float(extra["lr_scale"])
+        update = build_update(lr_scale)
     start = latest
   writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, as_dict(cfg))
   key = jax.random.key(cfg.seed)
   policy = lambda st: nnx.merge(graphdef, st.params)
+  monitors = Monitors(entropy_floor=g.entropy_floor)
 
   with jax.set_mesh(mesh):
     initial_acc = None
@@ -167,6 +182,7 @@ def run(cfg: RunConfig) -> dict:
       initial_acc = accuracy(nnx.merge(graphdef, reference), tok, eval_prompts, metric, s.max_new_tokens)
       writer.print(f"held-out {metric} accuracy of the initial policy: {initial_acc:.4f}")
       writer.write(start, {"eval/accuracy": initial_acc})
+      monitors.after_eval(start, initial_acc)
     final: dict[str, float] = {}
     for step in range(start, cfg.train.steps):
       t0 = time.perf_counter()
@@ -241,6 +257,10 @@ def run(cfg: RunConfig) -> dict:
                       "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
                       "timing_s/step": time.perf_counter() - t0,
                       "actor/informative_groups": float(np.mean(informative))})
+      signals, warnings = monitors.after_step(step + 1, metrics)
+      metrics.update(signals)
+      for line in warnings:
+        writer.print(f"warning: {line}")
       final = metrics
       if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
         writer.write(step + 1, metrics)
@@ -249,10 +269,19 @@ def run(cfg: RunConfig) -> dict:
         ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
       if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts:
         acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
-        writer.write(step + 1, {"eval/accuracy": acc})
+        signals, warnings = monitors.after_eval(step + 1, acc)
+        writer.write(step + 1, {"eval/accuracy": acc, **signals})
+        for line in warnings:
+          writer.print(f"warning: {line}")
         writer.print(f"step {step + 1}: held-out {metric} accuracy {acc:.4f}  KL to reference "
                      f"{metrics.get('actor/kl_loss', 0.0):.4f}")
-      if g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl:
+      if g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl and g.max_kl_action == "lower_lr":
+        lr_scale = float(np.float32(lr_scale * g.kl_lr_factor))
+        update = build_update(lr_scale)
+        writer.print(f"step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds grpo.max_kl="
+                     f"{g.max_kl}; learning rate lowered to {lr_scale:g} x optim.lr")
+        writer.write(step + 1, {"monitor/lr_scale": lr_scale})
+      elif g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl:
         ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
         writer.print(f"stopping at step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds "
                      f"grpo.max_kl={g.max_kl}; checkpoint saved")

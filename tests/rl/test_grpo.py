@@ -108,3 +108,14 @@ def test_on_policy_update_skips_the_old_policy_forward():
   np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
   for ga, gb in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
     np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-7)
+
+
+def test_kl_bound_can_lower_the_learning_rate_instead_of_stopping(tmp_path):
+  out = _run(tmp_path / "r", "--config.grpo.max_kl=1e-9", "--config.grpo.max_kl_action=lower_lr",
+             "--config.grpo.entropy_floor=10.0")
+  assert "learning rate lowered to 0.5 x optim.lr" in out and "learning rate lowered to 0.25 x optim.lr" in out
+  assert "warning: step 1: policy entropy" in out and "entropy collapse" in out  # floor set above any entropy
+  rows = [json.loads(l) for l in open(tmp_path / "r" / "metrics.jsonl")]
+  lrs = [r["train/lr"] for r in rows if "actor/pg_loss" in r]
+  assert lrs == pytest.approx([1e-4, 0.5e-4, 0.25e-4])
+  assert [r["monitor/lr_scale"] for r in rows if "monitor/lr_scale" in r] == [0.5, 0.25, 0.125]
