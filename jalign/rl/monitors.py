@@ -3,7 +3,7 @@
 - entropy collapse: the policy's mean token entropy fell below a floor (it has stopped exploring; GRPO groups then
   share one answer and carry no signal);
 - reward hacking: between two held-out evaluations the training reward rose while held-out verifiable accuracy fell
-  (the policy is learning the reward, not the task);
+  by more than two standard errors of the estimate (the policy is learning the reward, not the task);
 - critic failure: the critic explains none of the returns' variance (explained variance <= 0) for a whole window.
 Each raises a `monitor/*` metric (1 on the step it fires) and a warning line; none stops the run (`grpo.max_kl` does).
 """
@@ -40,13 +40,14 @@ class Monitors:
         self._explained = []
     return out, warnings
 
-  def after_eval(self, step: int, accuracy: float) -> tuple[dict, list[str]]:
+  def after_eval(self, step: int, accuracy: float, examples: int) -> tuple[dict, list[str]]:
     reward = float(np.nanmean(self._rewards)) if self._rewards else float("nan")
     self._rewards = []
     out, warnings = {}, []
     if self._last_eval is not None:
       prev_reward, prev_acc = self._last_eval
-      if reward > prev_reward and accuracy < prev_acc:
+      noise = 2.0 * np.sqrt(max(prev_acc * (1.0 - prev_acc), 1e-12) / max(examples, 1))  # two binomial SEs
+      if reward > prev_reward and accuracy < prev_acc - noise:
         out["monitor/reward_hacking"] = 1.0
         warnings.append(f"step {step}: training reward rose ({prev_reward:.4f} -> {reward:.4f}) while held-out "
                         f"accuracy fell ({prev_acc:.4f} -> {accuracy:.4f}): possible reward hacking")

@@ -182,7 +182,7 @@ def run(cfg: RunConfig) -> dict:
       initial_acc = accuracy(nnx.merge(graphdef, reference), tok, eval_prompts, metric, s.max_new_tokens)
       writer.print(f"held-out {metric} accuracy of the initial policy: {initial_acc:.4f}")
       writer.write(start, {"eval/accuracy": initial_acc})
-      monitors.after_eval(start, initial_acc)
+      monitors.after_eval(start, initial_acc, len(eval_prompts))
     final: dict[str, float] = {}
     for step in range(start, cfg.train.steps):
       t0 = time.perf_counter()
@@ -269,7 +269,7 @@ def run(cfg: RunConfig) -> dict:
         ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
       if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts:
         acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
-        signals, warnings = monitors.after_eval(step + 1, acc)
+        signals, warnings = monitors.after_eval(step + 1, acc, len(eval_prompts))
         writer.write(step + 1, {"eval/accuracy": acc, **signals})
         for line in warnings:
           writer.print(f"warning: {line}")

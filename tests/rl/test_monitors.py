@@ -14,17 +14,20 @@ def test_entropy_collapse_fires_below_the_floor_and_warns_once():
 
 def test_reward_hacking_is_reward_up_while_held_out_accuracy_down():
   m = Monitors(entropy_floor=0.0)
-  m.after_eval(0, 0.60)
+  m.after_eval(0, 0.60, 500)
   for step, r in enumerate([0.5, 0.6], 1):
     m.after_step(step, {"critic/score/mean": r})
-  assert m.after_eval(2, 0.65) == ({}, [])         # first window: nothing to compare the reward with
+  assert m.after_eval(2, 0.65, 500) == ({}, [])         # first window: nothing to compare the reward with
   for step, r in enumerate([0.8, 0.9], 3):
     m.after_step(step, {"critic/score/mean": r})
-  signals, warnings = m.after_eval(4, 0.55)        # reward 0.55 -> 0.85, accuracy 0.65 -> 0.55
+  signals, warnings = m.after_eval(4, 0.55, 500)   # reward 0.55 -> 0.85, accuracy 0.65 -> 0.55
   assert signals == {"monitor/reward_hacking": 1.0} and "possible reward hacking" in warnings[0]
   for step, r in enumerate([0.95, 0.97], 5):
     m.after_step(step, {"critic/score/mean": r})
-  assert m.after_eval(6, 0.70) == ({}, [])         # both up: learning the task
+  assert m.after_eval(6, 0.70, 500) == ({}, [])    # both up: learning the task
+  for step, r in enumerate([0.98, 0.99], 7):
+    m.after_step(step, {"critic/score/mean": r})
+  assert m.after_eval(8, 0.69, 500) == ({}, [])    # a drop within two standard errors (0.041) is noise
 
 
 def test_critic_failure_needs_a_whole_window_of_non_positive_explained_variance():
