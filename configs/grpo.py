@@ -23,7 +23,8 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict(dict(path=os.path.join(ASSETS, "tiny_policy"), dtype="float32",
                                            compute_dtype="", scan_layers=True, remat="none"))
   c.train = ml_collections.ConfigDict(dict(steps=150, batch_size=8, micro_batches=1, seq_len=128, log_every=5,
-                                           eval_every=50, eval_batches=1, eval_examples=0))
+                                           eval_every=50, eval_batches=1, eval_examples=0,
+                                           nonfinite="stop"))
   c.optim = ml_collections.ConfigDict(dict(lr=1e-4, schedule="constant", warmup_steps=0, min_lr_ratio=0.0,
                                            weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, clip_norm=1.0))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))

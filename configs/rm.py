@@ -29,7 +29,7 @@ def get_config(arg=None):
       pair_checks="warn", max_length_ratio=1.5, check_records=0))
   c.train = ml_collections.ConfigDict(dict(
       steps=600, batch_size=32, micro_batches=1, seq_len=32, log_every=50, eval_every=200, eval_batches=4,
-      eval_examples=500))
+      eval_examples=500, nonfinite="stop"))
   c.optim = ml_collections.ConfigDict(dict(
       lr=5e-4, schedule="cosine", warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
       clip_norm=1.0))

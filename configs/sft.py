@@ -30,7 +30,7 @@ def get_config(arg=None):
       packing=True, buckets=(), shuffle=True, skip_bad_records=False, num_packing_bins=0))
   c.train = ml_collections.ConfigDict(dict(
       steps=1500, batch_size=16, micro_batches=1, seq_len=128, log_every=50, eval_every=500, eval_batches=4,
-      eval_examples=500))
+      eval_examples=500, nonfinite="stop"))
   c.optim = ml_collections.ConfigDict(dict(
       lr=3e-3, schedule="cosine", warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.01, b1=0.9, b2=0.98, eps=1e-8,
       clip_norm=1.0))

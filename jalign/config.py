@@ -56,6 +56,8 @@ class TrainSection:
   eval_every: int = 0                  # 0 = only at the end
   eval_batches: int = 8
   eval_examples: int = 256             # held-out task accuracy (generative check) at eval time
+  nonfinite: Literal["stop", "skip"] = "stop"   # a NaN/Inf loss or gradient: the update is never applied; then
+                                       # stop naming the step and its records, or skip on (counted)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,11 @@ def main(argv):
     cfg = validate(_CONFIG.value, jax.device_count())
   except ConfigError as e:
     raise SystemExit(f"config error: {e}") from None
-  final = TASKS[cfg.task](cfg)
+  from jalign.train.loop import NonFiniteError
+  try:
+    final = TASKS[cfg.task](cfg)
+  except NonFiniteError as e:
+    raise SystemExit(f"stopped: {e}") from None
   shown = ("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/")
   summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(shown))
   print(f"done: {summary}", flush=True)

@@ -1,5 +1,8 @@
 """Grain pipelines: index shuffling, per-process sharding, encoding with bad-record handling, packing or bucketed
 padding, batching. Iterator state (for checkpoints) covers all of it, so a resumed run sees the same data order.
+
+Packed and bucketed batches carry `record` [B, L]: 1 + the source index of the record each token came from (0 on
+padding), so a failing step can name its records (`records_of`); the loop strips it before the device.
 """
 from __future__ import annotations
 
@@ -61,13 +64,20 @@ def bucket_batch(buckets: tuple[int, ...]) -> Callable[[list[dict]], dict]:
     tokens = np.stack([pad_to(e["tokens"], length) for e in examples])
     real = np.stack([pad_to(np.ones_like(e["tokens"]), length) for e in examples])
     return {"tokens": tokens, "loss_mask": np.stack([pad_to(e["loss_mask"], length) for e in examples]),
-            "segment_ids": real, "positions": np.where(real > 0, np.arange(length)[None], 0).astype(np.int32)}
+            "segment_ids": real, "positions": np.where(real > 0, np.arange(length)[None], 0).astype(np.int32),
+            "record": np.stack([pad_to(e["record"], length) for e in examples])}
   return batch
 
 
 def _rename_packed(batch: dict) -> dict:
   return {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"], "segment_ids": batch["tokens_segment_ids"],
-          "positions": batch["tokens_positions"]}
+          "positions": batch["tokens_positions"], "record": batch["record"]}
+
+
+def records_of(batch: dict) -> list[int]:
+  """Source indices of the records in a packed or bucketed batch (empty when it does not carry them)."""
+  record = batch.get("record")
+  return [] if record is None else sorted(int(r) - 1 for r in np.unique(record) if r > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +112,10 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
   def load(index) -> Any:
     index = int(index)
     try:
-      return encode(source[index])
+      example = encode(source[index])
+      if batch_fn is None:
+        example["record"] = np.full(len(example["tokens"]), index + 1, np.int32)
+      return example
     except TooLong:
       counters.too_long += 1
       return None
@@ -118,7 +131,7 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
   if batch_fn is not None:
     it = it.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=batch_fn)
   elif spec.packing:
-    features = {"tokens": spec.seq_len, "loss_mask": spec.seq_len}
+    features = {"tokens": spec.seq_len, "loss_mask": spec.seq_len, "record": spec.seq_len}
     it = grain.experimental.FirstFitPackIterDataset(
         it, length_struct=features, num_packing_bins=spec.num_packing_bins or spec.batch_size, seed=spec.seed,
         shuffle_bins=spec.shuffle)

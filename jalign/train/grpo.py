@@ -175,6 +175,7 @@ def run(cfg: RunConfig) -> dict:
   key = jax.random.key(cfg.seed)
   policy = lambda st: nnx.merge(graphdef, st.params)
   monitors = Monitors(entropy_floor=g.entropy_floor)
+  skipped = 0
 
   with jax.set_mesh(mesh):
     initial_acc = None
@@ -249,6 +250,14 @@ def run(cfg: RunConfig) -> dict:
       n_updates = g.ppo_epochs * g.mini_batches
       metrics = {k.replace("train/loss", "actor/loss"): v / n_updates for k, v in sums.items()}
       metrics.update(adv_metrics)
+      if metrics.get("train/nonfinite", 0.0) > 0 or metrics.get("critic/nonfinite", 0.0) > 0:
+        if cfg.train.nonfinite == "stop":
+          ckpt.wait()
+          raise loop.NonFiniteError(loop.nonfinite_message(step + 1, metrics, [p.where for p in prompts],
+                                                           ckpt.directory, ckpt.latest_step()))
+        skipped += 1
+        writer.print(f"step {step + 1}: non-finite loss or gradient; update(s) skipped ({skipped} so far)")
+      metrics["train/skipped_nonfinite"] = skipped
       if kl_ctl is not None or g.kl_in_reward:
         metrics["actor/kl_coef"] = kl_coef
       if model_reward is not None and offline is None:

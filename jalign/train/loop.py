@@ -153,7 +153,22 @@ def threading_main() -> bool:
 
 
 def global_batch(local: dict, sharding) -> dict:
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+  """Device arrays of a process-local batch; the host-only `record` provenance stays behind."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()
+          if k != "record"}
+
+
+class NonFiniteError(RuntimeError):
+  pass
+
+
+def nonfinite_message(step: int, metrics: dict, records: list[str], ckpt_dir: str, latest: int | None) -> str:
+  shown = ", ".join(records[:10]) + (f" and {len(records) - 10} more" if len(records) > 10 else "")
+  return (f"step {step}: non-finite loss or gradient (train/loss={metrics.get('train/loss')}, train/grad_norm="
+          f"{metrics.get('train/grad_norm')}); the update was not applied. Records in the batch: "
+          f"{shown or 'unknown'}. Last good checkpoint: "
+          f"{f'{ckpt_dir}/{latest}' if latest is not None else 'none yet'}. Lower optim.lr, check the data, or set "
+          "train.nonfinite='skip' to skip such steps")
 
 
 def run(cfg: RunConfig, task: Task) -> dict:
@@ -164,7 +179,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
   encode_fn = functools.partial(task.encode, tok=s.tok, max_length=cfg.data.max_length,
                                 truncation=cfg.data.truncation)
   task.start(s)
-  train_it, counters, _ = data_iterator(cfg, cfg.data.train, encode_fn, train=True, task=task)
+  train_it, counters, source = data_iterator(cfg, cfg.data.train, encode_fn, train=True, task=task)
 
   batch_sharding = parallel.batch_sharding(mesh)
   micro_sharding = parallel.batch_sharding(mesh, leading_micro_axis=True)
@@ -212,10 +227,20 @@ def run(cfg: RunConfig, task: Task) -> dict:
   def save(step: int):
     ckpt.save(step, state, train_it, config_dict, extra=task.extra_state())
 
+  skipped = 0
+
   def flush(pending):
-    nonlocal last_time
-    step, dev_metrics, tokens = pending
+    nonlocal last_time, skipped
+    step, dev_metrics, tokens, records = pending
     m = to_host(dev_metrics)
+    if m.get("train/nonfinite", 0.0) > 0:
+      if cfg.train.nonfinite == "stop":
+        ckpt.wait()
+        names = [source.where(i) for i in records]
+        raise NonFiniteError(nonfinite_message(step, m, names, ckpt.directory, ckpt.latest_step()))
+      skipped += 1
+      writer.print(f"step {step}: non-finite loss or gradient; update skipped ({skipped} so far)")
+    m["train/skipped_nonfinite"] = skipped
     now = time.perf_counter()
     elapsed, last_time = now - last_time, now
     m["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
@@ -233,6 +258,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
     step = start
     while step < cfg.train.steps:
       local = next(train_it)
+      records = pipeline.records_of(local)
       tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
       batch = task.prepare(state.params, global_batch(local, batch_sharding))
       state, dev_metrics = jitted(state, batch)
@@ -240,7 +266,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
       task.after_step(step, state.params)
       if pending is not None:
         final = flush(pending)
-      pending = (step, dev_metrics, tokens)
+      pending = (step, dev_metrics, tokens, records)
       if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
         save(step)
       if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:

@@ -3,6 +3,10 @@
 An objective supplies `loss_fn(params, batch) -> (loss_sum, weight, metric_sums)`; the step divides by the weight
 summed over the whole global batch (all micro-batches and data-parallel shards), so accumulation and data
 parallelism give the same update as one big batch.
+
+A non-finite loss or gradient norm is caught in the step itself: the update is not applied (parameters and
+optimizer state stay as they were) and `train/nonfinite` is 1, read back with the other metrics (no extra host
+sync). The loop then skips on or stops (`train.nonfinite`).
 """
 from __future__ import annotations
 
@@ -48,7 +52,13 @@ def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_sched
     grads = jax.tree.map(lambda g: g / denom, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"train/loss": loss_sum / denom, "train/grad_norm": optax.global_norm(grads),
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    metrics = {"train/loss": loss_sum / denom, "train/grad_norm": grad_norm,
+               "train/nonfinite": 1.0 - finite.astype(jnp.float32),
                "train/lr": lr_schedule(state.step), "train/weight": weight,
                **{k: v / denom for k, v in sums.items()}}
     return TrainState(state.step + 1, params, opt_state), metrics
