@@ -201,6 +201,9 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
       if arr.shape != want:
         raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has shape {tuple(arr.shape)}, "
                               f"expected {want} for this config.json")
+      if arr.dtype.name not in ("float64", "float32", "float16", "bfloat16"):  # numpy calls bfloat16 non-floating
+        raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has dtype {arr.dtype}; model weights must "
+                              "be floating point (F32, BF16, F16 or F64; quantised checkpoints are not supported)")
       used.add(name)
       out.append(spec.to_jalign(arr, cfg))
     return out
