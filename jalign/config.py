@@ -6,6 +6,7 @@ dotted key (`config.train.batch_size`) and what is accepted. Jitted code only ev
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any, Literal
@@ -137,7 +138,7 @@ class RewardSection:
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
   prompts: str = ""                    # prompt source (same specs as data.train)
-  output: str = ""                     # buffer directory; "" = run_dir/buffer
+  output: str = ""                     # buffer directory inside run_dir (relative to it); "" = run_dir/buffer
   format: Literal["parquet", "arrayrecord"] = "parquet"
   prompts_per_batch: int = 16
   limit: int = 0                       # first N prompts only; 0 = all
@@ -420,10 +421,23 @@ def _validate_preference(cfg: RunConfig) -> None:
       raise ConfigError(f"config.dpo.sync_ref_model=True: loss_type {p.loss_type!r} uses no reference model")
 
 
+def output_path(run_dir: str, path: str) -> str:
+  """An output path resolved against the run directory (links included)."""
+  return os.path.realpath(os.path.join(run_dir, path))
+
+
+def inside(run_dir: str, path: str) -> bool:
+  root = os.path.realpath(run_dir)
+  return os.path.commonpath([root, output_path(run_dir, path)]) == root
+
+
 def _validate_rollout(cfg: RunConfig) -> None:
   s, r = cfg.sampling, cfg.rollout
   if cfg.task == "rollout" and not r.prompts:
     raise ConfigError("config.rollout.prompts: empty; give a prompt file/glob, tfds:... or synthetic:TASK:SPLIT")
+  if r.output and not inside(cfg.run_dir, r.output):
+    raise ConfigError(f"config.rollout.output={r.output!r} resolves outside run_dir={cfg.run_dir!r}: a run writes "
+                      "only inside its run directory; give a path relative to it (or run_dir itself)")
   for key, v in (("sampling.max_new_tokens", s.max_new_tokens), ("sampling.num_samples", s.num_samples),
                  ("sampling.max_prompt_length", s.max_prompt_length),
                  ("rollout.prompts_per_batch", r.prompts_per_batch)):

@@ -131,6 +131,10 @@ CASES = [
     ("config_bad_choice", "sft", lambda t: dict(logprobs__impl="fast"), r"config\.logprobs\.impl.*accepted"),
     ("config_mesh_too_big", "sft", lambda t: dict(mesh__shape=(4, 4, 1)), r"needs 16 devices"),
     ("config_bad_reward", "grpo", lambda t: dict(reward__weights=(("no_such_reward", 1.0),)), r"no_such_reward"),
+    ("config_output_outside_run_dir", "rollout", lambda t: dict(rollout__output="../../elsewhere"),
+     r"rollout\.output='\.\./\.\./elsewhere' resolves outside run_dir"),
+    ("config_output_symlink_escape", "rollout", lambda t: dict(rollout__output=_escape_link(t)),
+     r"resolves outside run_dir"),
     # --- tokenizers and chat templates ---
     ("tokenizer_missing", "dpo", lambda t: dict(tokenizer=_tokenizer_copy(t, drop=True)), r"tokenizer\.json"),
     ("tokenizer_corrupt", "dpo", lambda t: dict(tokenizer=_tokenizer_copy(t, corrupt=True)), r"tokenizer\.json"),
@@ -163,6 +167,14 @@ def _write_bytes(path, data: bytes):
   return str(path)
 
 
+def _escape_link(tmp):
+  """run_dir/link -> a directory outside the run: writing through it would escape."""
+  os.makedirs(tmp / "run", exist_ok=True)
+  os.makedirs(tmp / "outside", exist_ok=True)
+  os.symlink(tmp / "outside", tmp / "run" / "link")
+  return "link/buffer"
+
+
 def _pickle_only(tmp):
   path = _policy_copy(tmp, drop=("model.safetensors",))
   open(os.path.join(path, "pytorch_model.bin"), "wb").write(b"\x80\x04not a real pickle")
@@ -182,9 +194,11 @@ def test_the_catalogue_has_at_least_25_cases():
 @pytest.mark.parametrize("name, config, build, expected", CASES, ids=[c[0] for c in CASES])
 def test_hostile_input(tmp_path, name, config, build, expected):
   run_dir = tmp_path / "run"
-  overrides = dict(run_dir=str(run_dir), log__progress=False, log__tensorboard=False, train__steps=2,
-                   train__eval_examples=0, checkpoint__async_save=False)
-  overrides.update(build(tmp_path))
+  sections = config_dict(config, "tiny")
+  overrides = {k: v for k, v in dict(log__progress=False, log__tensorboard=False, train__steps=2,
+                                     train__eval_examples=0, checkpoint__async_save=False).items()
+               if k.split("__")[0] in sections}
+  overrides.update(run_dir=str(run_dir), **build(tmp_path))
   values = config_dict(config, "tiny", **overrides)
   with deadline(240):
     if name.startswith("skip"):

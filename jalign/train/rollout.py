@@ -12,7 +12,7 @@ import time
 import jax
 
 from jalign import parallel
-from jalign.config import RunConfig, reward_spec, sampling_rules
+from jalign.config import RunConfig, output_path, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.rl.buffer import BufferWriter
 from jalign.rl.rollout import PromptError, SamplingSpec, encode_prompt, rollout_batch
@@ -35,7 +35,7 @@ def run(cfg: RunConfig) -> dict:
   total = min(len(source), cfg.rollout.limit) if cfg.rollout.limit else len(source)
   if total == 0:
     raise PromptError(f"{cfg.rollout.prompts}: no prompts")
-  out_dir = cfg.rollout.output or os.path.join(cfg.run_dir, "buffer")
+  out_dir = output_path(cfg.run_dir, cfg.rollout.output or "buffer")  # validated to lie inside run_dir
   writer = BufferWriter(out_dir, cfg.rollout.format)
   per_batch = cfg.rollout.prompts_per_batch
   n_batches = -(-total // per_batch)
