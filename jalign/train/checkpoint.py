@@ -1,11 +1,16 @@
-"""Orbax checkpoints of train state + data-iterator state + config; resume from the newest complete one.
+"""Orbax checkpoints of train state + data-iterator state + config; resume from the newest complete, intact one.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a crash mid-save leaves the
-previous checkpoints intact and the incomplete one invisible to `latest_step`.
+previous checkpoints intact and the incomplete one invisible. Once a step is complete, a SHA-256 of each of its files
+is written beside them (`checksums.json`); resuming verifies them and passes over a step whose files were truncated
+or altered since (naming the file), so damaged bytes are never loaded as weights.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import sys
 from typing import Any
 
 import grain
@@ -25,12 +30,28 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def latest_intact_step(self) -> int | None:
+    """The newest step whose files match their checksums (or that has none); damaged ones are reported and moved
+    aside to `<step>.damaged`."""
+    self._manager.wait_until_finished()
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      problem = verify(os.path.join(self.directory, str(step)))
+      if problem is None:
+        return step
+      aside = os.path.join(self.directory, f"{step}.damaged")
+      os.replace(os.path.join(self.directory, str(step)), aside)  # out of the way of this step's next save
+      print(f"checkpoint {self.directory}/{step} is damaged ({problem}); moved to {aside}, resuming from an "
+            "earlier one", file=sys.stderr, flush=True)
+      self._manager.reload()
+    return None
+
   def save(self, step: int, state: Any, data_iterator, config: dict, extra: Any = None) -> None:
     """`extra`: an objective's own state (e.g. a synced reference model), saved beside the train state."""
     items = dict(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
                  config=ocp.args.JsonSave(config))
     if extra is not None:
       items["extra"] = ocp.args.StandardSave(extra)
+    self._seal_finished()
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, step: int, abstract_state: Any, data_iterator, abstract_extra: Any = None):
@@ -43,12 +64,67 @@ class Checkpointer:
     return out["state"] if abstract_extra is None else (out["state"], out["extra"])
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    self._seal_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self._seal_finished()
     self._manager.close()
+
+  def _seal_finished(self) -> None:
+    """Checksums for every complete step that has none yet (only process 0 writes)."""
+    self._manager.wait_until_finished()
+    if jax.process_index() != 0:
+      return
+    for step in self._manager.all_steps():
+      directory = os.path.join(self.directory, str(step))
+      if os.path.isdir(directory) and not os.path.exists(os.path.join(directory, CHECKSUMS)):
+        write_checksums(directory)
 
 
 def abstract_like(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+CHECKSUMS = "checksums.json"
+
+
+def _digest(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _files(directory: str) -> list[str]:
+  out = []
+  for root, _, names in os.walk(directory):
+    out.extend(os.path.relpath(os.path.join(root, n), directory) for n in names)
+  return sorted(f for f in out if f != CHECKSUMS)
+
+
+def write_checksums(directory: str) -> None:
+  sums = {f: _digest(os.path.join(directory, f)) for f in _files(directory)}
+  tmp = os.path.join(directory, CHECKSUMS + ".tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(sums, f, indent=0)
+  os.replace(tmp, os.path.join(directory, CHECKSUMS))
+
+
+def verify(directory: str) -> str | None:
+  """None when every file listed in the step's checksums is present and matches (or when it has none: written
+  before sealing, e.g. by a run killed right after the save completed); else what is wrong."""
+  path = os.path.join(directory, CHECKSUMS)
+  if not os.path.exists(path):
+    return None
+  try:
+    sums = json.load(open(path, encoding="utf-8"))
+  except (OSError, ValueError) as e:
+    return f"{CHECKSUMS} unreadable: {e}"
+  for name, digest in sums.items():
+    file = os.path.join(directory, name)
+    if not os.path.exists(file):
+      return f"{name} is missing"
+    if _digest(file) != digest:
+      return f"{name} does not match its checksum (truncated or altered)"
+  return None

@@ -156,7 +156,7 @@ def run(cfg: RunConfig) -> dict:
   ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                       async_save=cfg.checkpoint.async_save)
   start = 0
-  latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+  latest = ckpt.latest_intact_step() if cfg.checkpoint.resume else None
   if latest is not None:
     extra = extra_state()
     if extra is None:

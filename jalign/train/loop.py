@@ -193,7 +193,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
                       async_save=cfg.checkpoint.async_save)
   state = s.state
   start = 0
-  latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+  latest = ckpt.latest_intact_step() if cfg.checkpoint.resume else None
   if latest is not None:
     extra = task.extra_state()
     if extra is None:

@@ -88,3 +88,29 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
   assert 0 < step < 100000
   from jalign.train.checkpoint import Checkpointer
   assert Checkpointer(os.path.join(run_dir, "checkpoints"), keep=3).latest_step() == step
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_checkpoint_is_detected_and_passed_over(uninterrupted, tmp_path, damage):
+  """A finished run's newest checkpoint (12) loses half a file or has two bytes flipped: rerunning the same command
+  reports it, moves it aside, resumes from the one before (9) and ends bitwise equal to the clean run."""
+  import shutil
+  run_dir = str(tmp_path / "run")
+  shutil.copytree(uninterrupted, run_dir)
+  shutil.rmtree(os.path.join(run_dir, "hf"))
+  newest = os.path.join(run_dir, "checkpoints", str(STEPS))
+  data = [os.path.join(root, f) for root, _, files in os.walk(os.path.join(newest, "state")) for f in files
+          if os.sep + "d" + os.sep in os.path.join(root, f)]
+  target = max(data, key=os.path.getsize)  # a chunk of array data
+  raw = bytearray(open(target, "rb").read())
+  if damage == "truncate":
+    raw = raw[:len(raw) // 2]
+  else:
+    raw[len(raw) // 2] ^= 0xFF
+    raw[len(raw) // 2 + 1] ^= 0xFF
+  open(target, "wb").write(bytes(raw))
+  proc = _run(run_dir)
+  assert f"checkpoint {os.path.join(run_dir, 'checkpoints')}/{STEPS} is damaged" in proc.stderr, proc.stderr[-2000:]
+  assert "does not match its checksum" in proc.stderr
+  assert os.path.isdir(newest + ".damaged")
+  assert _weights(run_dir) == _weights(uninterrupted)
