@@ -27,7 +27,7 @@ def get_config(arg=None):
           pad_token_id=0))))
   c.data = ml_collections.ConfigDict(dict(
       train="synthetic:arith:train", eval="synthetic:arith:test", max_length=64, truncation="keep_start",
-      packing=True, buckets=(), shuffle=True, skip_bad_records=False, num_packing_bins=0))
+      packing=True, buckets=(), shuffle=True, skip_bad_records=False, read_threads=0, num_packing_bins=0))
   c.train = ml_collections.ConfigDict(dict(
       steps=1500, batch_size=16, micro_batches=1, seq_len=128, log_every=50, eval_every=500, eval_batches=4,
       eval_examples=500, nonfinite="stop"))

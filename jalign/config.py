@@ -40,6 +40,7 @@ class DataSection:
   buckets: tuple[int, ...] = ()        # unpacked padding lengths; () = train.seq_len
   shuffle: bool = True
   skip_bad_records: bool = False
+  read_threads: int = 0               # grain reading threads (raise for remote storage); 0 = on demand
   num_packing_bins: int = 0            # 0 = rows per process batch
   pair_checks: Literal["warn", "error", "off"] = "warn"   # preference data: identical pairs, repeated prompts,
                                                           # chosen/rejected length imbalance, checked before training
@@ -353,6 +354,8 @@ def validate(values, num_devices: int) -> RunConfig:
   if cfg.task == "sft" and d.packing and d.max_length > t.seq_len:
     raise ConfigError(f"config.data.max_length={d.max_length} exceeds config.train.seq_len={t.seq_len}: a packed "
                       "example must fit one row")
+  if d.read_threads < 0:
+    raise ConfigError(f"config.data.read_threads={d.read_threads} must be >= 0 (0 = read on demand)")
   if d.buckets and max(d.buckets) > t.seq_len:
     raise ConfigError(f"config.data.buckets={d.buckets}: largest bucket exceeds train.seq_len={t.seq_len}")
   if cfg.task in ("sft", "rm", "dpo") and not d.train:

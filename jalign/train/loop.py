@@ -121,7 +121,8 @@ def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, t
   pspec = pipeline.PipelineSpec(batch_size=rows, seq_len=cfg.train.seq_len, packing=cfg.data.packing,
                                 buckets=cfg.data.buckets, shuffle=cfg.data.shuffle and train, seed=cfg.seed,
                                 num_epochs=None if train else 1, skip_bad_records=cfg.data.skip_bad_records,
-                                num_packing_bins=cfg.data.num_packing_bins, drop_remainder=train)
+                                num_packing_bins=cfg.data.num_packing_bins, drop_remainder=train,
+                                read_threads=cfg.data.read_threads)
   ds, counters = pipeline.build(source, encode, pspec, process_index=jax.process_index(),
                                 process_count=jax.process_count(), batch_fn=task.batch_fn)
   return iter(ds), counters, source
