@@ -59,14 +59,14 @@ def main():
     for batch in ds:
       batches += 1
       tokens += int((batch["segment_ids"] > 0).sum())
-      if batches % 2000 == 0:
+      if batches % 500 == 0:
         checkpoints.append(round(peak_rss_mib()))
     seconds = time.perf_counter() - start
   print(f"{args.records} records ({size_mib:.0f} MiB JSONL): index {indexed:.1f} s; one epoch {seconds:.1f} s = "
         f"{args.records / seconds:,.0f} records/s, {tokens / seconds:,.0f} tokens/s, {batches} packed batches; "
         f"skipped {counters.bad + counters.too_long}")
   print(f"peak RSS: {base:.0f} MiB before, {after_index:.0f} MiB after indexing, {peak_rss_mib():.0f} MiB at the end "
-        f"(every 2000 batches: {checkpoints})")
+        f"(every 500 batches: {checkpoints})")
 
 
 if __name__ == "__main__":
