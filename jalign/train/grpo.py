@@ -172,6 +172,8 @@ def run(cfg: RunConfig) -> dict:
         update = build_update(lr_scale)
     start = latest
   writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, as_dict(cfg))
+  if latest is not None:
+    writer.print(f"resumed from {ckpt.directory}/{latest}")
   key = jax.random.key(cfg.seed)
   policy = lambda st: nnx.merge(graphdef, st.params)
   monitors = Monitors(entropy_floor=g.entropy_floor)
