@@ -160,7 +160,7 @@ def global_batch(local: dict, sharding) -> dict:
 
 
 class NonFiniteError(RuntimeError):
-  pass
+  """A step's loss or gradient was NaN/Inf under train.nonfinite='stop' (the update was not applied)."""
 
 
 def nonfinite_message(step: int, metrics: dict, records: list[str], ckpt_dir: str, latest: int | None) -> str:

@@ -3,30 +3,16 @@ middle of a step, then rerun with the same command, ends with weights bitwise eq
 data and prompts in the same order, same samples, same reference log-probs)."""
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.configs_util import ROOT
+from tests.train.crash_util import hf_weights, run_faulty
 
 
 def _run(task, run_dir, env=None, check=True):
-  cmd = [sys.executable, os.path.join(ROOT, "tests", "train", "faulty_run.py"),
-         f"--config={ROOT}/configs/{task}.py:tiny", f"--config.run_dir={run_dir}", "--config.train.steps=6",
-         "--config.checkpoint.every=2", "--config.log.progress=False", "--config.log.tensorboard=False",
-         "--config.train.eval_every=0"]
-  cmd += ["--config.train.eval_examples=0"] if task == "dpo" else ["--config.grpo.eval_examples=0"]
-  proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600)
-  if check and proc.returncode != 0:
-    raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-  return proc
-
-
-def _weights(run_dir) -> bytes:
-  with open(os.path.join(run_dir, "hf", "model.safetensors"), "rb") as f:
-    return f.read()
+  eval_off = "--config.train.eval_examples=0" if task == "dpo" else "--config.grpo.eval_examples=0"
+  return run_faulty(task, run_dir, "--config.train.steps=6", "--config.checkpoint.every=2",
+                    "--config.log.tensorboard=False", "--config.train.eval_every=0", eval_off, env=env, check=check)
 
 
 @pytest.fixture(scope="module", params=["dpo", "grpo"])
@@ -46,4 +32,4 @@ def test_sigkill_then_resume_is_bitwise_equal(clean, tmp_path, fault):
   assert not os.path.exists(os.path.join(run_dir, "hf"))
   resumed = _run(task, run_dir)
   assert "resumed from" in resumed.stdout + resumed.stderr
-  assert _weights(run_dir) == _weights(clean_dir)
+  assert hf_weights(run_dir) == hf_weights(clean_dir)

@@ -10,24 +10,14 @@ import numpy as np
 import pytest
 
 from tests.configs_util import ROOT
+from tests.train.crash_util import hf_weights, run_faulty
 
 STEPS = 12
 
 
 def _run(run_dir, *extra, env=None, check=True):
-  cmd = [sys.executable, os.path.join(ROOT, "tests", "train", "faulty_run.py"),
-         f"--config={ROOT}/configs/sft.py:tiny", f"--config.run_dir={run_dir}", f"--config.train.steps={STEPS}",
-         "--config.checkpoint.every=3", "--config.log.progress=False", "--config.train.eval_examples=0", *extra]
-  proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
-  if check and proc.returncode != 0:
-    raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-  return proc
-
-
-def _weights(run_dir) -> bytes:
-  with open(os.path.join(run_dir, "hf", "model.safetensors"), "rb") as f:
-    return f.read()
+  return run_faulty("sft", run_dir, f"--config.train.steps={STEPS}", "--config.checkpoint.every=3",
+                    "--config.train.eval_examples=0", *extra, env=env, check=check, timeout=300)
 
 
 def _train_losses(run_dir) -> list[tuple[int, float]]:
@@ -50,7 +40,7 @@ def test_sigkill_then_resume_is_bitwise_equal(uninterrupted, tmp_path, fault):
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
   assert not os.path.exists(os.path.join(run_dir, "hf")), "the killed run must not have finished"
   _run(run_dir)
-  assert _weights(run_dir) == _weights(uninterrupted)
+  assert hf_weights(run_dir) == hf_weights(uninterrupted)
   # Same data in the same order: every logged step's loss is identical to the clean run's.
   clean = dict(_train_losses(uninterrupted))
   for step, loss in _train_losses(run_dir):
@@ -113,4 +103,4 @@ def test_a_damaged_checkpoint_is_detected_and_passed_over(uninterrupted, tmp_pat
   assert f"checkpoint {os.path.join(run_dir, 'checkpoints')}/{STEPS} is damaged" in proc.stderr, proc.stderr[-2000:]
   assert "does not match its checksum" in proc.stderr
   assert os.path.isdir(newest + ".damaged")
-  assert _weights(run_dir) == _weights(uninterrupted)
+  assert hf_weights(run_dir) == hf_weights(uninterrupted)
