@@ -24,7 +24,9 @@ def get_config(arg=None):
   c.tokenizer = ""
   c.model = ml_collections.ConfigDict(dict(
       path=os.path.join(ASSETS, "tiny_policy"), arch=None, dtype="float32", compute_dtype="", scan_layers=True,
-      remat="none"))
+      remat="none",
+      # Low-rank adapters instead of full fine-tuning: rank > 0 (e.g. 16); the reference is then the base model.
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=("all-linear",)))))
   c.data = ml_collections.ConfigDict(dict(
       train=os.path.join(ASSETS, "arith_prefs", "train.jsonl"), eval=os.path.join(ASSETS, "arith_prefs", "test.jsonl"),
       max_length=32, truncation="keep_start", packing=False, buckets=(), shuffle=True, skip_bad_records=False,

@@ -21,7 +21,10 @@ def get_config(arg=None):
   c.seed = 0
   c.tokenizer = ""
   c.model = ml_collections.ConfigDict(dict(path=os.path.join(ASSETS, "tiny_policy"), dtype="float32",
-                                           compute_dtype="", scan_layers=True, remat="none"))
+                                           compute_dtype="", scan_layers=True, remat="none",
+                                           # LoRA instead of full fine-tuning: rank > 0; the reference is the base
+                                           lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0,
+                                                                               targets=("all-linear",)))))
   c.train = ml_collections.ConfigDict(dict(steps=150, batch_size=8, micro_batches=1, seq_len=128, log_every=5,
                                            eval_every=50, eval_batches=1, eval_examples=0,
                                            nonfinite="stop"))

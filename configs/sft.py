@@ -20,6 +20,8 @@ def get_config(arg=None):
   c.tokenizer = os.path.join(ASSETS, "arith_tokenizer")
   c.model = ml_collections.ConfigDict(dict(
       path="", dtype="float32", compute_dtype="", scan_layers=True, remat="none",
+      # rank > 0: low-rank adapters instead of full fine-tuning
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=("all-linear",))),
       # A Llama-architecture model small enough to train on a laptop CPU in minutes.
       arch=ml_collections.ConfigDict(dict(
           model_type="llama", vocab_size=288, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,

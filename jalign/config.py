@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from jalign.losses.dpo import PAIRED, REFERENCE_FREE
 from jalign.models.config import ModelConfig
+from jalign.models.lora import LoraConfig
 from jalign.models.sharding import DEFAULT_RULES
 
 
@@ -28,6 +29,7 @@ class ModelSection:
   compute_dtype: Literal["", "float32", "bfloat16"] = ""       # activations; "" = dtype
   scan_layers: bool = True
   remat: Literal["none", "full", "dots"] = "none"
+  lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,11 +373,33 @@ def validate(values, num_devices: int) -> RunConfig:
       raise ConfigError(f"config.grpo: {mb_rows} completions per mini-batch do not split over data-parallel size "
                         f"(data x fsdp = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
                         "grpo.mini_batches or mesh.shape")
+  _validate_lora(cfg)
   if not cfg.model.path and cfg.model.arch is None:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):
     raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
   return cfg
+
+
+def _validate_lora(cfg: RunConfig) -> None:
+  lo = cfg.model.lora
+  if lo.rank < 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
+    raise ConfigError(f"config.model.lora: rank={lo.rank}, alpha={lo.alpha}, dropout={lo.dropout}; accepted: rank >= 0 "
+                      "(0 = off), alpha > 0, 0 <= dropout < 1")
+  if not lo.rank:
+    return
+  from jalign.models.lora import resolve_targets
+  try:
+    resolve_targets(lo.targets)
+  except ValueError as e:
+    raise ConfigError(f"config.model.lora.targets: {e}") from None
+  if cfg.task == "dpo" and cfg.dpo.sync_ref_model:
+    # TRL likewise refuses TR-DPO's sync without a separate reference model (the PEFT case).
+    raise ConfigError("config.dpo.sync_ref_model=True with model.lora.rank > 0: with adapters the reference is the "
+                      "base model with adapters off, which does not move; set one of them off")
+  if cfg.task == "rollout":
+    raise ConfigError("config.model.lora.rank > 0 with task 'rollout': sampling trains nothing; set rank 0 (an "
+                      "adapter run exports merged weights to load here)")
 
 
 def _validate_preference(cfg: RunConfig) -> None:

@@ -7,6 +7,7 @@ which are scanned alongside the weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jalign.models import lora as lora_lib
 from jalign.models.attention import apply_rope, attention_mask, gqa_attention, positions_from_mask
 
 _build_mask = attention_mask  # forward()'s `attention_mask` argument shadows the name there
@@ -116,13 +118,21 @@ def _dense(x, w, in_dims: int = 1):
 
 
 def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
-                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index, mask_BxTxS=None):
+                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index, mask_BxTxS=None, dropout_key=None, *,
+                  lora: lora_lib.LoraConfig | None = None):
   """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None. `mask_BxTxS`:
-  the attention mask when the caller built it once for all layers."""
+  the attention mask when the caller built it once for all layers. `lora`: the adapters' settings when `lp` holds
+  adapters; `dropout_key` turns on their dropout (training only)."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
+
+  def proj(x, name, in_dims=1):
+    y = _dense(x, w(name), in_dims)
+    extra = lora_lib.project(x, lp, name, _dense, lora, dropout_key)
+    return y if extra is None else y + extra
+
   h = rms_norm(x_BxTxD, lp["attn_norm"], cfg)
-  q, k, v = _dense(h, w("q")), _dense(h, w("k")), _dense(h, w("v"))
+  q, k, v = proj(h, "q"), proj(h, "k"), proj(h, "v")
   if cfg.qkv_bias:
     q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
   if cfg.qk_norm:
@@ -140,7 +150,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     keys, values = keys.astype(dt), values.astype(dt)
   mask = attention_mask(q_segment_BxT, k_segment, q_index_T, window) if mask_BxTxS is None else mask_BxTxS
   attn = gqa_attention(q, keys, values, mask, scale=cfg.scale, softcap=cfg.attn_softcap)
-  out = _dense(attn, w("o"), in_dims=2)
+  out = proj(attn, "o", in_dims=2)
   if cfg.out_bias:
     out = out + w("o_bias")
   if cfg.post_norms:
@@ -148,10 +158,10 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   x = x_BxTxD + out
 
   h = rms_norm(x, lp["ffw_norm"], cfg)
-  gate, up = _dense(h, w("gate")), _dense(h, w("up"))
+  gate, up = proj(h, "gate"), proj(h, "up")
   if cfg.mlp_bias:
     gate, up = gate + w("gate_bias"), up + w("up_bias")
-  out = _dense(_activation(cfg.activation)(gate) * up, w("down"))
+  out = proj(_activation(cfg.activation)(gate) * up, "down")
   if cfg.mlp_bias:
     out = out + w("down_bias")
   if cfg.post_norms:
@@ -190,7 +200,8 @@ class Decoder(nnx.Module):
     return [jax.tree.map(lambda a: a[i], stacked) for i in range(self.cfg.num_layers)]
 
   def forward(self, input_ids_BxT, attention_mask=None, *, positions=None, segment_ids=None,
-              cache: KVCache | None = None, layers: list[dict] | None = None) -> tuple[jax.Array, KVCache | None]:
+              cache: KVCache | None = None, layers: list[dict] | None = None,
+              dropout_rng: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """Hidden states after the final norm, [B, T, D], and the updated cache.
 
     Padding: `attention_mask` [B, T] (1 = token; left padding fine) gives positions like transformers' `generate`.
@@ -198,8 +209,10 @@ class Decoder(nnx.Module):
     at 0 for each sequence.
     Decoding: pass a `KVCache`; the new tokens are written at `cache.index`. Layers then run unrolled, each on
     its own cache buffer; `layers` (from `layer_list()`) saves re-slicing the stacked weights per call.
+    Training: `dropout_rng` turns on LoRA dropout (when the model has adapters with dropout > 0).
     """
     cfg = self.cfg
+    lora = getattr(self.layers, "lora", None)
     dt = jnp.dtype(cfg.dtype)
     B, T = input_ids_BxT.shape
     segment_ids_BxT, positions_BxT = segment_ids, positions
@@ -227,7 +240,7 @@ class Decoder(nnx.Module):
       for i in range(cfg.num_layers):
         kv = None if cache is None else (cache.k[i], cache.v[i], k_segment)
         x, kv = decoder_layer(cfg, x, per_layer[i], int(windows_L[i]), jnp.asarray(inv_freq_LxH2[i]),
-                              positions_BxT, segment_ids_BxT, q_index_T, kv, cache_index)
+                              positions_BxT, segment_ids_BxT, q_index_T, kv, cache_index, lora=lora)
         if kv is not None:
           new_k.append(kv[0])
           new_v.append(kv[1])
@@ -235,21 +248,24 @@ class Decoder(nnx.Module):
         cache = KVCache(tuple(new_k), tuple(new_v), k_segment, cache_index + T)
       return rms_norm(x, self.final_norm[...], cfg), cache
 
-    layer = _remat(decoder_layer, cfg.remat)
+    layer = _remat(functools.partial(decoder_layer, lora=lora), cfg.remat)
+    keys_L = None
+    if dropout_rng is not None and lora is not None and lora.dropout > 0:
+      keys_L = jax.random.split(dropout_rng, cfg.num_layers)
     # The [B, T, T] masks are built once here, not in every layer: one per distinct window (at most two).
     masks = {int(w): _build_mask(segment_ids_BxT, segment_ids_BxT, q_index_T, int(w)) for w in set(windows_L)}
 
     def body(x, xs):
-      lp, window, inv_freq = xs
+      lp, window, inv_freq, key = xs
       if len(masks) == 1:
         mask = next(iter(masks.values()))
       else:
         (w_a, mask_a), (_, mask_b) = sorted(masks.items())
         mask = jnp.where(window == w_a, mask_a, mask_b)
       return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, None, cache_index,
-                   mask)[0], None
+                   mask, key)[0], None
 
-    xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2))
+    xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2), keys_L)
     if cfg.scan_layers:
       x, _ = jax.lax.scan(body, x, xs)
     else:

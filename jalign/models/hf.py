@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jalign.models import lora
 from jalign.models import safetensors_io as st
 from jalign.models.config import ModelConfig, load_hf_config, to_hf_config
 from jalign.models.decoder import Decoder
@@ -283,7 +284,8 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   name and renamed, so an interrupted save leaves no partial file under a final name.
 
   With `score` (a [D] weight), writes a one-label `*ForSequenceClassification` checkpoint (a reward model: the
-  backbone plus `score.weight`, no LM head) instead of a causal LM."""
+  backbone plus `score.weight`, no LM head) instead of a causal LM. LoRA adapters are merged into the weights."""
+  lm = lora.merge(lm)
   cfg = lm.cfg
   if score is not None:
     score = np.asarray(jax.device_get(score), np.float32).reshape(-1)

@@ -36,7 +36,8 @@ def sequence_logps(graphdef, params, batch: dict, *, logprobs: kernels.LogprobOp
   b, two, length = batch["tokens"].shape
   flat = {k: batch[k].reshape(b * two, length) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
   lm = nnx.merge(graphdef, params)
-  hidden, _ = lm.forward(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"])
+  hidden, _ = lm.forward(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"],
+                         dropout_rng=batch.get("dropout_rng"))
   targets, weights = targets_and_weights(flat)
   logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap,
                                       **logprobs.kwargs())

@@ -36,7 +36,8 @@ def response_logprobs(graphdef, params, batch: dict, temperature: float,
                       logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`."""
   lm = nnx.merge(graphdef, params)
-  hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+  hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                         dropout_rng=batch.get("dropout_rng"))
   r = batch["response"].shape[1]
   p = batch["tokens"].shape[1] - r
   logp, entropy, _ = kernels.token_logprobs(hidden[:, p - 1:p + r - 1], lm.unembed(), batch["response"],

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jalign.losses import policy
+from jalign.models import lora
 from jalign.models.decoder import Decoder
 from jalign.models.heads import ScalarHead
 from jalign.objectives.reward import RewardModel
@@ -21,9 +22,17 @@ from jalign.objectives.reward import RewardModel
 
 def make_critic(policy_lm: Decoder, *, seed: int = 0) -> RewardModel:
   """A value model initialised from the policy (its own copy of the weights) with a fresh linear value head; the
-  usual choice when no reward model is given to start from (verl, OpenRLHF)."""
+  usual choice when no reward model is given to start from (verl, OpenRLHF). A policy with LoRA adapters gives a
+  critic with its own copy of the adapters on the *same* frozen base arrays (no second copy of the base)."""
   graphdef, state = nnx.split(policy_lm)
-  backbone = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+  pure = nnx.to_pure_dict(state)
+  if lora.has_adapters(pure):
+    adapters, base = lora.partition(pure)
+    pure = lora.combine(jax.tree.map(jnp.copy, adapters), base)
+  else:
+    pure = jax.tree.map(jnp.copy, pure)
+  nnx.replace_by_pure_dict(state, pure)
+  backbone = nnx.merge(graphdef, state)
   head = ScalarHead(policy_lm.cfg.hidden_size, param_dtype=policy_lm.cfg.param_dtype, rngs=nnx.Rngs(seed))
   return RewardModel(backbone, head)
 
@@ -31,7 +40,8 @@ def make_critic(policy_lm: Decoder, *, seed: int = 0) -> RewardModel:
 def response_values(graphdef, params, batch: dict) -> jax.Array:
   """values [N, R]: the critic's estimate at the position before each response token."""
   critic = nnx.merge(graphdef, params)
-  hidden, _ = critic.backbone.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+  hidden, _ = critic.backbone.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                                      dropout_rng=batch.get("dropout_rng"))
   r = batch["response"].shape[1]
   p = batch["tokens"].shape[1] - r
   return critic.head(hidden[:, p - 1:p + r - 1])

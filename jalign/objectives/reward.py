@@ -37,13 +37,14 @@ class RewardModel(nnx.Module):
   def cfg(self):
     return self.backbone.cfg
 
-  def score(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None
-            ) -> jax.Array:
+  def score(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
+            dropout_rng: jax.Array | None = None) -> jax.Array:
     """Scores [B] of (right- or left-) padded sequences; `segment_ids` is 1 on real tokens, 0 on padding. Pure and
     jittable: RL loops call it inside their own jitted scoring step."""
     if positions_BxT is None:
       positions_BxT = jnp.maximum(jnp.cumsum(segment_ids_BxT, axis=1) - 1, 0)
-    hidden, _ = self.backbone.forward(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT)
+    hidden, _ = self.backbone.forward(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT,
+                                      dropout_rng=dropout_rng)
     last = last_token_index(segment_ids_BxT)
     hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # the head on one token per row
     return self.head(hidden_last)[:, 0]
@@ -58,7 +59,8 @@ def pair_scores(rm: RewardModel, batch: dict) -> jax.Array:
   """[B, 2] scores (chosen, rejected) of a preference batch laid out [B, 2, L]."""
   b, two, length = batch["tokens"].shape
   flat = lambda x: x.reshape(b * two, length)
-  return rm.score(flat(batch["tokens"]), flat(batch["segment_ids"]), flat(batch["positions"])).reshape(b, two)
+  return rm.score(flat(batch["tokens"]), flat(batch["segment_ids"]), flat(batch["positions"]),
+                  batch.get("dropout_rng")).reshape(b, two)
 
 
 def make_loss_fn(graphdef, cfg: RewardLossConfig):

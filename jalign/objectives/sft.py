@@ -22,7 +22,8 @@ def targets_and_weights(batch: dict):
 def make_loss_fn(graphdef, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   def loss_fn(params, batch):
     lm = nnx.merge(graphdef, params)
-    hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+    hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                           dropout_rng=batch.get("dropout_rng"))
     targets, weights = targets_and_weights(batch)
     logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap,
                                         **logprobs.kwargs())

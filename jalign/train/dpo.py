@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import parallel
+from jalign.models import lora
 from jalign.config import REFERENCE_FREE, RunConfig, reward_spec
 from jalign.data import preference
 from jalign.data.sources import DataError, JsonlSource, open_source
@@ -90,7 +91,9 @@ class DpoTask(PreferenceTask):
     self._mix = jax.jit(lambda policy, ref: jax.tree.map(lambda a, b: (alpha * a + (1 - alpha) * b).astype(b.dtype),
                                                          policy, ref), donate_argnums=1)
     if p.loss_type not in REFERENCE_FREE:
-      self.reference = jax.tree.map(jnp.copy, setup.state.params)  # frozen: the policy as loaded
+      # frozen: the policy as loaded; with LoRA, the base with adapters off (its weights shared, not copied)
+      self.reference = (lora.disabled(setup.full(setup.state.params)) if setup.frozen is not None
+                        else jax.tree.map(jnp.copy, setup.state.params))
     specs = [s for s in (cfg.data.train, cfg.data.eval) if s]
     super().start(setup)  # checks (and with precompute_ref_logps, the reference pass over) every split
     if self.reference is not None and not self.kto:
@@ -99,7 +102,7 @@ class DpoTask(PreferenceTask):
         self.reference = None  # not needed again: free its memory
     self._eval_prompts = self._load_eval_prompts(setup)
     if self._eval_prompts:
-      self.initial_accuracy = self._accuracy(setup.state.params)
+      self.initial_accuracy = self._accuracy(setup.full(setup.state.params))
       print(f"held-out {self._metric} accuracy of the initial policy: {self.initial_accuracy:.4f}", flush=True)
 
   def wrap_source(self, spec: str, source):

@@ -24,6 +24,7 @@ from jalign import models, parallel, sampling
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib, policy as policy_lib
+from jalign.models import lora
 from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.rl import buffer as buffer_lib
@@ -128,17 +129,22 @@ def run(cfg: RunConfig) -> dict:
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
     not depend on it, so lowering it mid-run only recompiles)."""
     opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps)
-    step_fn = make_step(loss_fn, opt, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True))
-    return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
-                   out_shardings=(setup.state_shardings, rep), donate_argnums=0)
+    step_fn = make_step(loss_fn, opt, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True),
+                        dropout_seed=loop.dropout_seed(cfg))
+    jitted = jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding, setup.frozen_shardings),
+                     out_shardings=(setup.state_shardings, rep), donate_argnums=0)
+    return lambda state, batch: jitted(state, batch, setup.frozen)
 
   lr_scale = 1.0
   update = build_update(lr_scale)
   logprobs = jax.jit(lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,
                                                                       cfg.logprobs.options())[0])
   state = setup.state
-  reference = jax.tree.map(jnp.copy, state.params)  # frozen: the policy as loaded
-  critic = Critic(cfg, nnx.merge(graphdef, state.params), mesh, rows // g.mini_batches) \
+  full = setup.full
+  # frozen: the policy as loaded; with LoRA, the base with adapters off (its weights shared, not copied)
+  reference = (lora.disabled(full(state.params)) if setup.frozen is not None
+               else jax.tree.map(jnp.copy, state.params))
+  critic = Critic(cfg, nnx.merge(graphdef, full(state.params)), mesh, rows // g.mini_batches) \
       if g.adv_estimator == "gae" else None
   kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
 
@@ -175,7 +181,7 @@ def run(cfg: RunConfig) -> dict:
   if latest is not None:
     writer.print(f"resumed from {ckpt.directory}/{latest}")
   key = jax.random.key(cfg.seed)
-  policy = lambda st: nnx.merge(graphdef, st.params)
+  policy = lambda st: nnx.merge(graphdef, full(st.params))
   monitors = Monitors(entropy_floor=g.entropy_floor)
   skipped = 0
 
@@ -225,7 +231,7 @@ def run(cfg: RunConfig) -> dict:
         batch["old_logp"] = behaviour
       device_batch = loop.global_batch(batch, batch_sharding)
       if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
-        device_batch["old_logp"] = logprobs(state.params, device_batch)  # else on-policy: see objectives.grpo
+        device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
       device_batch["ref_logp"] = logprobs(reference, device_batch)
       kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef
       adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef)

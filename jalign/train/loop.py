@@ -19,6 +19,7 @@ from flax import nnx
 
 from jalign import models, parallel, tokenizer as tokenizer_lib
 from jalign.config import RunConfig, as_dict
+from jalign.models import lora
 from jalign.data import pipeline
 from jalign.data.sources import open_source
 from jalign.train import optimizer as optim_lib
@@ -37,6 +38,12 @@ class Setup:
   model_cfg: models.ModelConfig
   state: TrainState
   state_shardings: Any
+  frozen: Any = None             # with LoRA: the base weights, beside the trainable `state.params`; never donated
+  frozen_shardings: Any = None
+
+  def full(self, params):
+    """The model's whole parameter dict from the trainable part (no copy)."""
+    return params if self.frozen is None else lora.combine(params, self.frozen)
 
 
 class Task:
@@ -98,6 +105,8 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   mesh = parallel.mesh_from_config(cfg.mesh.shape)
   tok = tokenizer_lib.load(cfg.tokenizer or cfg.model.path)
   lm = (task or Task()).load_model(cfg, mesh)
+  if cfg.model.lora.rank:
+    lora.add_adapters(getattr(lm, "backbone", lm), cfg.model.lora, seed=cfg.seed)
   if tok.vocab_size > lm.cfg.vocab_size:
     raise ValueError(f"tokenizer {cfg.tokenizer or cfg.model.path} has {tok.vocab_size} tokens, more than the "
                      f"model's vocab_size {lm.cfg.vocab_size}")
@@ -105,13 +114,17 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   params = nnx.to_pure_dict(params)
   param_shardings = nnx.to_pure_dict(models.state_shardings(lm, mesh, cfg.mesh.rules))
   params = jax.device_put(params, param_shardings)  # parts built outside the loader (heads) land on the mesh too
+  frozen = frozen_shardings = None
+  if cfg.model.lora.rank:  # only the adapters (and a head) train; the base rides along, frozen
+    params, frozen = lora.partition(params)
+    param_shardings, frozen_shardings = lora.partition(param_shardings)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
   rep = parallel.replicated(mesh)
   state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), params, opt_state)
   shardings = TrainState(rep, param_shardings, opt_shardings)
-  return Setup(cfg, mesh, tok, graphdef, lm.cfg, state, shardings)
+  return Setup(cfg, mesh, tok, graphdef, lm.cfg, state, shardings, frozen, frozen_shardings)
 
 
 def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, task: Task | None = None):
@@ -185,10 +198,10 @@ def run(cfg: RunConfig, task: Task) -> dict:
   batch_sharding = parallel.batch_sharding(mesh)
   micro_sharding = parallel.batch_sharding(mesh, leading_micro_axis=True)
   step_fn = make_step(task.make_loss_fn(s.graphdef), optimizer, lr_schedule, cfg.train.micro_batches,
-                      micro_sharding)
+                      micro_sharding, dropout_seed=dropout_seed(cfg))
   rep = parallel.replicated(mesh)
-  jitted = jax.jit(step_fn, in_shardings=(s.state_shardings, batch_sharding), out_shardings=(s.state_shardings, rep),
-                   donate_argnums=0)
+  jitted = jax.jit(step_fn, in_shardings=(s.state_shardings, batch_sharding, s.frozen_shardings),
+                   out_shardings=(s.state_shardings, rep), donate_argnums=0)
 
   ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                       async_save=cfg.checkpoint.async_save)
@@ -261,17 +274,17 @@ def run(cfg: RunConfig, task: Task) -> dict:
       local = next(train_it)
       records = pipeline.records_of(local)
       tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
-      batch = task.prepare(state.params, global_batch(local, batch_sharding))
-      state, dev_metrics = jitted(state, batch)
+      batch = task.prepare(s.full(state.params), global_batch(local, batch_sharding))
+      state, dev_metrics = jitted(state, batch, s.frozen)
       step += 1
-      task.after_step(step, state.params)
+      task.after_step(step, s.full(state.params))
       if pending is not None:
         final = flush(pending)
       pending = (step, dev_metrics, tokens, records)
       if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
         save(step)
       if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-        evaluate_now(step, state.params)
+        evaluate_now(step, s.full(state.params))
       if preempt.requested:
         final = flush(pending)
         pending = None
@@ -284,14 +297,19 @@ def run(cfg: RunConfig, task: Task) -> dict:
       final = flush(pending)
     if start < cfg.train.steps or latest is None:
       save(cfg.train.steps)
-    final.update(evaluate_now(cfg.train.steps, state.params))
+    final.update(evaluate_now(cfg.train.steps, s.full(state.params)))
     ckpt.close()
     if cfg.checkpoint.export_hf and jax.process_index() == 0:
       out = os.path.join(cfg.run_dir, "hf")
-      task.export(nnx.merge(s.graphdef, state.params), out, s.tok)
+      task.export(nnx.merge(s.graphdef, s.full(state.params)), out, s.tok)
       writer.print(f"exported HF checkpoint to {out}")
   writer.close()
   return final
+
+
+def dropout_seed(cfg: RunConfig) -> int | None:
+  """The seed of LoRA dropout masks in the train step; None when nothing drops out."""
+  return cfg.seed if cfg.model.lora.rank and cfg.model.lora.dropout > 0 else None
 
 
 def _make_eval_loss(cfg: RunConfig, s: Setup, task: Task, encode_fn, batch_sharding):

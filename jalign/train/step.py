@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jalign.models import lora
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -30,21 +32,31 @@ LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, dict]]
 
 
 def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_schedule, micro_batches: int,
-              micro_sharding=None):
-  """(state, batch) -> (state, metrics); batch leaves are [global_batch, ...]."""
+              micro_sharding=None, *, dropout_seed: int | None = None):
+  """(state, batch, frozen=None) -> (state, metrics); batch leaves are [global_batch, ...].
 
-  def step(state: TrainState, batch: dict):
+  `frozen`: parameters that take part in the loss but do not train (a LoRA run's base weights); the loss sees
+  `lora.combine(state.params, frozen)` and only `state.params` get gradients and optimizer state.
+  `dropout_seed`: each micro-batch gets a `dropout_rng` key (from the seed, the step and the micro-batch index),
+  which objectives pass to the model's forward."""
+
+  def step(state: TrainState, batch: dict, frozen=None):
     micro = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
     if micro_sharding is not None:
       micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+    if dropout_seed is not None:
+      micro["dropout_rng"] = jax.random.split(jax.random.fold_in(jax.random.key(dropout_seed), state.step),
+                                              micro_batches)
+    whole = (lambda p: p) if frozen is None else (lambda p: lora.combine(p, frozen))
 
     def accumulate(carry, mb):
       grads, loss_sum, weight, sums = carry
-      (l, (w, s)), g = jax.value_and_grad(lambda p: _split(loss_fn(p, mb)), has_aux=True)(state.params)
+      (l, (w, s)), g = jax.value_and_grad(lambda p: _split(loss_fn(whole(p), mb)), has_aux=True)(state.params)
       return (jax.tree.map(jnp.add, grads, g), loss_sum + l, weight + w, jax.tree.map(jnp.add, sums, s)), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    _, (_, metric_shapes) = jax.eval_shape(lambda: _split(loss_fn(state.params, jax.tree.map(lambda x: x[0], micro))))
+    _, (_, metric_shapes) = jax.eval_shape(
+        lambda: _split(loss_fn(whole(state.params), jax.tree.map(lambda x: x[0], micro))))
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
     (grads, loss_sum, weight, sums), _ = jax.lax.scan(accumulate, init, micro)

@@ -1,0 +1,99 @@
+"""LoRA adapters: the adapter-on forward against an independent torch LoRA on the transformers model (forward hooks
+adding scale * x @ A @ B to each targeted Linear), merged export loaded back by transformers, target selection."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from jalign import models
+from jalign.models import lora
+from tests import hf_reference as ref
+
+HF_NAMES = {name: hf for name, (hf, _) in lora.PROJECTIONS.items()}
+
+
+def _randomise_adapters(lm, seed=1, scale=0.2):
+  rng = np.random.RandomState(seed)
+  for name in vars(lm.layers):
+    if name.endswith(lora.SUFFIX_B) or name.endswith(lora.SUFFIX_A):
+      p = getattr(lm.layers, name)
+      p[...] = jnp.asarray(rng.normal(0, scale, p.shape), p[...].dtype)
+
+
+def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
+  """transformers logits with LoRA added by hooks from the adapter tensors (per layer, flattened to 2-D)."""
+  hooks = []
+  for name in lora.resolve_targets(cfg.targets):
+    a = np.asarray(getattr(lm.layers, name + lora.SUFFIX_A)[...], np.float32)
+    b = np.asarray(getattr(lm.layers, name + lora.SUFFIX_B)[...], np.float32)
+    for i, layer in enumerate(model.model.layers):
+      module = layer.get_submodule(HF_NAMES[name])
+      a_i = torch.tensor(a[i].reshape(-1, cfg.rank))
+      b_i = torch.tensor(b[i].reshape(cfg.rank, -1))
+      hooks.append(module.register_forward_hook(
+          lambda mod, inp, out, a_i=a_i, b_i=b_i: out + cfg.scale * (inp[0] @ a_i) @ b_i))
+  try:
+    return ref.hf_logits(model, ids, mask)
+  finally:
+    for h in hooks:
+      h.remove()
+
+
+@pytest.mark.parametrize("family,targets", [("llama", ("all-linear",)), ("qwen2", ("q_proj", "v_proj", "down"))])
+def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, tmp_path):
+  model = ref.build(family)
+  lm = models.from_pretrained(ref.save(model, tmp_path / "in"))
+  ids, mask = ref.batch(model.config.vocab_size)
+  base = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
+  cfg = lora.LoraConfig(rank=4, alpha=8.0, targets=targets)
+  lora.add_adapters(lm, cfg, seed=3)
+  fresh = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
+  np.testing.assert_allclose(fresh, base, atol=1e-6)  # B starts at zero: a fresh adapter changes nothing
+
+  _randomise_adapters(lm)
+  ours = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
+  theirs = _torch_lora_logits(model, lm, cfg, ids, mask)
+  assert ref.max_diff(ours, theirs, mask) <= 1e-4
+  assert ref.max_diff(ours, base, mask) > 1e-2  # the adapters do something
+
+  models.save_pretrained(lm, tmp_path / "merged")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
+  assert ref.max_diff(ref.hf_logits(back, ids, mask), ours, mask) <= 1e-4
+
+
+def test_partition_disable_and_targets():
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=8)
+  lm = lora.add_adapters(models.create(cfg), lora.LoraConfig(rank=2, targets=("self_attn.(q|v)_proj",)))
+  params = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
+  trainable, frozen = lora.partition(params)
+  assert sorted(trainable["layers"]) == ["q_lora_a", "q_lora_b", "v_lora_a", "v_lora_b"]
+  assert "q_lora_a" not in frozen["layers"] and "q" in frozen["layers"] and "embed" in frozen
+  whole = lora.combine(trainable, frozen)
+  assert jax.tree.structure(whole) == jax.tree.structure(params)
+  assert whole["layers"]["q"] is params["layers"]["q"]  # nothing copied
+  off = lora.disabled(params)
+  assert not np.any(np.asarray(off["layers"]["q_lora_b"])) and off["embed"] is params["embed"]
+  assert off["layers"]["q_lora_a"] is not params["layers"]["q_lora_a"]  # never aliases the trained adapters
+  assert lora.resolve_targets(("all-linear",)) == tuple(lora.PROJECTIONS)
+  assert lora.resolve_targets(("gate_proj", "up")) == ("gate", "up")
+  with pytest.raises(ValueError, match="matches no projection; accepted: 'all-linear', q_proj"):
+    lora.resolve_targets(("qkv_proj",))
+  with pytest.raises(ValueError, match="already has LoRA"):
+    lora.add_adapters(lm, lora.LoraConfig(rank=2))
+
+
+def test_dropout_only_with_a_key():
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=8)
+  lm = lora.add_adapters(models.create(cfg), lora.LoraConfig(rank=2, dropout=0.5))
+  _randomise_adapters(lm)
+  ids = jnp.arange(12).reshape(2, 6)
+  plain, _ = lm.forward(ids)
+  again, _ = lm.forward(ids)
+  dropped, _ = lm.forward(ids, dropout_rng=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(again))
+  assert float(jnp.max(jnp.abs(dropped - plain))) > 1e-3
