@@ -73,7 +73,9 @@ def add_adapters(lm, cfg: LoraConfig, *, seed: int = 0):
   for i, name in enumerate(resolve_targets(cfg.targets)):
     w = getattr(layers, name)
     in_dims = PROJECTIONS[name][1]
-    axes = w.get_metadata().get(AXES)
+    # The base shards heads / MLP over `tensor` only (FSDP takes its `embed` dim); an adapter has no such second
+    # dim to give FSDP, so those dims take the "lora" rule (fsdp x tensor).
+    axes = tuple("lora" if a in ("heads", "kv_heads", "mlp") else a for a in w.get_metadata().get(AXES))
     shape_in, shape_out = w.shape[1:1 + in_dims], w.shape[1 + in_dims:]
     bound = 1.0 / math.sqrt(math.prod(shape_in))
     a = jax.random.uniform(jax.random.fold_in(key, i), (w.shape[0], *shape_in, cfg.rank), jnp.float32, -bound, bound)

@@ -27,6 +27,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("norm", None),
     ("cache_seq", None),
+    # LoRA adapters' heads / MLP dims: over both axes, so FSDP shards the adapters (and their optimizer state) too.
+    ("lora", ("fsdp", "tensor")),
 )
 
 

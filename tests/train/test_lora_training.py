@@ -53,8 +53,9 @@ def test_only_adapters_train_and_hold_optimizer_state(tmp_path):
 
 
 def test_sft_lora_checkpoints_hold_only_adapters_and_resume_exactly(tmp_path):
-  common = dict(train__steps=4, checkpoint__every=2, checkpoint__async_save=False, **LORA, **QUIET)
+  common = dict(train__steps=4, checkpoint__every=2, checkpoint__async_save=False, data__eval="", **LORA, **QUIET)
   straight = sft_task.run(run_config("sft", run_dir=str(tmp_path / "a"), **common))
+  common["checkpoint__export_hf"] = False
   sft_task.run(run_config("sft", run_dir=str(tmp_path / "b"), **{**common, "train__steps": 2}))
   resumed = sft_task.run(run_config("sft", run_dir=str(tmp_path / "b"), **common))
   assert resumed["train/loss"] == straight["train/loss"]

@@ -1,4 +1,5 @@
-"""The train step on 8 fake devices equals one device; 4 micro-batches equal one big batch."""
+"""The train step on 8 fake devices equals one device in every DP / FSDP / TP layout; 4 micro-batches equal one big
+batch."""
 import functools
 
 import jax
@@ -30,7 +31,11 @@ def _one_step(mesh_shape, micro_batches=1, batch_size=8):
   return state, jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 4, 2), (2, 4, 1)])
+# mesh shape -> distinct shards of the q projection: DP only, FSDP only, FSDP x TP, DP x FSDP, all three.
+LAYOUTS = {(8, 1, 1): 1, (1, 8, 1): 8, (1, 4, 2): 8, (2, 4, 1): 4, (2, 2, 2): 4}
+
+
+@pytest.mark.parametrize("mesh_shape", sorted(LAYOUTS))
 def test_sharded_step_equals_single_device(mesh_shape):
   ref_state, ref_metrics = _one_step((1, 1, 1))
   state, metrics = _one_step(mesh_shape)
@@ -40,7 +45,7 @@ def test_sharded_step_equals_single_device(mesh_shape):
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
   q = state.params["layers"]["q"]
-  assert len({str(s.index) for s in q.addressable_shards}) == (8 if mesh_shape == (1, 4, 2) else 4)
+  assert len({str(s.index) for s in q.addressable_shards}) == LAYOUTS[mesh_shape]
 
 
 def test_gradient_accumulation_equals_one_big_batch():

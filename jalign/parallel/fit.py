@@ -1,0 +1,202 @@
+"""Ahead-of-time fit check: compile a config's train step for a mesh and report the bytes it needs per device,
+without allocating the model (every input is a `jax.ShapeDtypeStruct` with its sharding).
+
+    python -m jalign.parallel.fit --config=configs/grpo.py --arch=llama3-8b --devices=16 \
+        --config.mesh.shape="(1,16,1)" --config.model.dtype=bfloat16 --hbm_gib=95
+
+`--devices` fakes that many host devices (the check runs on any machine, a laptop included); the figures are XLA's
+own buffer assignment for the SPMD-partitioned step on one device: parameters and optimizer state (the step's
+arguments), activations and temporaries (`temp`), and its outputs less what donation aliases back onto the inputs.
+On an accelerator the compiler differs (fusion, layouts), so treat the CPU figure as an estimate within tens of
+percent; the parameter and optimizer bytes are exact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Preset shapes from the published Hugging Face configs (meta-llama/Meta-Llama-3-8B and -70B, config.json).
+LLAMA3_ROPE = dict(theta=500000.0)
+ARCHS = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                       num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5),
+}
+
+
+def _tree_bytes_per_device(abstract_tree) -> int:
+  """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
+  import jax
+  import numpy as np
+  total = 0
+  for leaf in jax.tree.leaves(abstract_tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += int(np.prod(shape)) * leaf.dtype.itemsize
+  return total
+
+
+def report(cfg, arch: str = "") -> dict:
+  """Compiles `cfg`'s train step on the current devices and returns per-device bytes (see the module doc)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jalign import models, parallel
+  from jalign.models import lora
+  from jalign.models.config import ModelConfig, RopeConfig, load_hf_config
+  from jalign.train import optimizer as optim_lib
+  from jalign.train.step import TrainState, make_step
+
+  m = cfg.model
+  if arch:
+    model_cfg = ModelConfig(**ARCHS[arch], rope=RopeConfig(**LLAMA3_ROPE))
+  elif m.path:
+    model_cfg = load_hf_config(m.path)[0]
+  else:
+    model_cfg = m.arch
+  model_cfg = model_cfg.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, scan_layers=m.scan_layers,
+                                remat=m.remat)
+  mesh = parallel.mesh_from_config(cfg.mesh.shape)
+  task = cfg.task
+
+  def build():
+    lm = models.Decoder(model_cfg, rngs=nnx.Rngs(0))
+    if m.lora.rank:
+      lora.add_adapters(lm, m.lora)
+    if task == "rm":
+      from jalign.objectives.reward import RewardModel
+      return RewardModel(lm, models.ScalarHead(model_cfg.hidden_size, rngs=nnx.Rngs(1)))
+    return lm
+
+  abstract = nnx.eval_shape(build)
+  graphdef, state = nnx.split(abstract)
+  params = nnx.to_pure_dict(state)
+  param_sh = nnx.to_pure_dict(models.state_shardings(abstract, mesh, cfg.mesh.rules))
+  frozen = frozen_sh = None
+  if m.lora.rank:
+    params, frozen = lora.partition(params)
+    param_sh, frozen_sh = lora.partition(param_sh)
+  with_sharding = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                                tree, sh)
+  optimizer, schedule = optim_lib.make(cfg.optim, cfg.train.steps)
+  opt_sh = parallel.optimizer_shardings(optimizer, param_sh, params, mesh)
+  rep = parallel.replicated(mesh)
+  state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), with_sharding(params, param_sh),
+                     with_sharding(jax.eval_shape(optimizer.init, params), opt_sh))
+  state_sh = TrainState(rep, param_sh, opt_sh)
+  loss_fn, batch = _loss_and_batch(cfg, graphdef, mesh)
+  micro = cfg.train.micro_batches if task not in ("grpo", "ppo") else 1
+  step = make_step(loss_fn, optimizer, schedule, micro, parallel.batch_sharding(mesh, leading_micro_axis=True))
+  batch_sh = parallel.batch_sharding(mesh)
+  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh, frozen_sh), out_shardings=(state_sh, rep),
+                   donate_argnums=0)
+  with jax.set_mesh(mesh):
+    compiled = jitted.lower(state, batch, None if frozen is None else with_sharding(frozen, frozen_sh)).compile()
+  mem = compiled.memory_analysis()
+  out = {
+      "devices": int(mesh.size), "mesh": dict(mesh.shape), "task": task,
+      "params_total": int(sum(x.size for x in jax.tree.leaves(params)) +
+                          sum(x.size for x in jax.tree.leaves(frozen or {}))),
+      "trainable_params": int(sum(x.size for x in jax.tree.leaves(params))),
+      "bytes_per_device": {
+          "params": _tree_bytes_per_device(state.params) + (
+              _tree_bytes_per_device(with_sharding(frozen, frozen_sh)) if frozen is not None else 0),
+          "optimizer_state": _tree_bytes_per_device(state.opt_state),
+          "arguments": int(mem.argument_size_in_bytes), "temp": int(mem.temp_size_in_bytes),
+          "outputs": int(mem.output_size_in_bytes), "aliased": int(mem.alias_size_in_bytes)}}
+  b = out["bytes_per_device"]
+  b["peak_estimate"] = b["arguments"] + b["temp"] + b["outputs"] - b["aliased"]
+  return out
+
+
+def _loss_and_batch(cfg, graphdef, mesh):
+  """The task's loss_fn and an abstract global batch for it."""
+  import jax
+  import jax.numpy as jnp
+
+  from jalign import parallel
+  sh = parallel.batch_sharding(mesh)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
+  b, t, task = cfg.train.batch_size, cfg.train.seq_len, cfg.task
+  if task == "sft":
+    from jalign.objectives import sft
+    return (sft.make_loss_fn(graphdef, logprobs=cfg.logprobs.options()),
+            {"tokens": i32(b, t), "segment_ids": i32(b, t), "positions": i32(b, t), "loss_mask": i32(b, t)})
+  if task in ("dpo", "rm"):
+    pair = {"tokens": i32(b, 2, t), "segment_ids": i32(b, 2, t), "positions": i32(b, 2, t),
+            "loss_mask": i32(b, 2, t)}
+    if task == "rm":
+      from jalign.objectives import reward
+      return (reward.make_loss_fn(graphdef, reward.RewardLossConfig(cfg.rm.center_rewards_coefficient)),
+              {**pair, "margin": f32(b)})
+    from jalign.objectives import dpo
+    if cfg.dpo.loss_type == "kto":
+      raise ValueError("the fit check covers the paired DPO losses; for KTO, check loss_type='sigmoid' (same "
+                       "shapes)")
+    p = cfg.dpo
+    loss_cfg = dpo.DpoLossConfig(loss_type=p.loss_type, beta=p.beta, rpo_alpha=p.rpo_alpha)
+    return (dpo.make_loss_fn(graphdef, loss_cfg, logprobs=cfg.logprobs.options()),
+            {**pair, "ref_chosen_logps": f32(b), "ref_rejected_logps": f32(b)})
+  if task in ("grpo", "ppo"):
+    from jalign.objectives import grpo
+    g, s = cfg.grpo, cfg.sampling
+    n, r = g.prompts_per_step * s.num_samples // g.mini_batches, s.max_new_tokens
+    length = s.max_prompt_length + r
+    loss_cfg = grpo.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, mode=g.loss_mode, agg=g.agg,
+                                   kl_coef=g.kl_coef, kl_kind=g.kl_kind, global_rows=n)
+    return (grpo.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options()),
+            {"tokens": i32(n, length), "segment_ids": i32(n, length), "positions": i32(n, length),
+             "response": i32(n, r), "response_mask": i32(n, r), "advantages": f32(n, r), "old_logp": f32(n, r),
+             "ref_logp": f32(n, r)})
+  raise ValueError(f"task {task!r}: the fit check covers sft, rm, dpo, grpo and ppo")
+
+
+def format_report(r: dict, hbm_gib: float = 0.0) -> str:
+  gib = lambda x: f"{x / 2**30:8.2f} GiB" if x >= 2**30 else f"{x / 2**20:8.2f} MiB"
+  b = r["bytes_per_device"]
+  lines = [f"{r['task']} step on {r['devices']} devices, mesh {r['mesh']}: {r['params_total'] / 1e6:,.1f} M params "
+           f"({r['trainable_params'] / 1e6:,.1f} M trainable); per device:",
+           f"  parameters       {gib(b['params'])}", f"  optimizer state  {gib(b['optimizer_state'])}",
+           f"  temporaries      {gib(b['temp'])}", f"  peak (estimate)  {gib(b['peak_estimate'])}"]
+  if hbm_gib:
+    fits = b["peak_estimate"] <= hbm_gib * 2**30
+    lines.append(f"  {'fits' if fits else 'DOES NOT FIT'} in {hbm_gib:g} GiB per device")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  devices = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--devices=")), 0)
+  if devices:  # before jax is imported: fake that many host devices
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from absl import app, flags
+  from ml_collections import config_flags
+  config = config_flags.DEFINE_config_file("config", None, "configs/<task>.py[:arg]", lock_config=True)
+  flags.DEFINE_integer("devices", 0, "fake this many host devices (0 = the machine's own)")
+  flags.DEFINE_enum("arch", "", [""] + sorted(ARCHS), "a preset model shape instead of model.path / model.arch")
+  flags.DEFINE_float("hbm_gib", 0.0, "memory per device to compare against (e.g. 16 v5e, 95 v5p, 141 H200)")
+  flags.DEFINE_string("json", "", "also write the report here")
+
+  def run(_):
+    import jax
+
+    from jalign.config import validate
+    cfg = validate(config.value, jax.device_count())
+    r = report(cfg, flags.FLAGS.arch)
+    print(format_report(r, flags.FLAGS.hbm_gib))
+    if flags.FLAGS.json:
+      with open(flags.FLAGS.json, "w", encoding="utf-8") as f:
+        json.dump(r, f, indent=1)
+
+  app.run(run, argv=argv)
+  return 0
+
+
+if __name__ == "__main__":
+  main()
+

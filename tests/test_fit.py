@@ -1,0 +1,56 @@
+"""The ahead-of-time fit check: FSDP divides the per-device parameter and optimizer bytes by the FSDP size (from
+XLA's compiled memory analysis), LoRA shrinks the optimizer state, and a Llama-3-8B-shaped step is compiled for 16
+devices without allocating the model."""
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from jalign.parallel import fit
+from tests.configs_util import ROOT, run_config
+
+
+def _state_bytes(r):
+  return r["bytes_per_device"]["params"] + r["bytes_per_device"]["optimizer_state"]
+
+
+def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state_per_device():
+  one = fit.report(run_config("sft", mesh__shape=(1, 1, 1)))
+  eight = fit.report(run_config("sft", mesh__shape=(1, 8, 1)))
+  # From the compiled step: its arguments are the train state plus one small batch.
+  ratio = eight["bytes_per_device"]["arguments"] / one["bytes_per_device"]["arguments"]
+  assert 0.125 <= ratio < 0.14, ratio  # 1/8, plus the replicated norm scales and the batch
+  assert _state_bytes(eight) / _state_bytes(one) == pytest.approx(0.125, rel=0.05)
+
+
+def test_lora_optimizer_state_is_a_small_fraction():
+  full = fit.report(run_config("dpo", mesh__shape=(1, 8, 1)))
+  adapters = fit.report(run_config("dpo", mesh__shape=(1, 8, 1), model__lora__rank=4))
+  assert adapters["trainable_params"] < 0.1 * full["trainable_params"]
+  assert adapters["bytes_per_device"]["optimizer_state"] < 0.15 * full["bytes_per_device"]["optimizer_state"]
+  assert adapters["params_total"] > full["params_total"]  # the base is all still there, frozen
+
+
+def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
+  out = tmp_path / "fit.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+  proc = subprocess.run(
+      [sys.executable, "-m", "jalign.parallel.fit", "--config=configs/grpo.py", "--arch=llama3-8b", "--devices=16",
+       "--config.mesh.shape=(1,16,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
+       "--config.train.batch_size=16", "--hbm_gib=95", f"--json={out}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  peak_rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+  r = json.loads(out.read_text())
+  assert r["devices"] == 16 and r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
+  assert r["params_total"] == 8_030_261_248  # Meta-Llama-3-8B's published parameter count
+  b = r["bytes_per_device"]
+  assert b["params"] == pytest.approx(8_030_261_248 * 2 / 16, rel=0.01)  # bf16, sharded 16 ways
+  assert b["optimizer_state"] == pytest.approx(2 * b["params"], rel=0.01)  # Adam's two moments
+  assert b["peak_estimate"] > b["params"] + b["optimizer_state"]
+  assert "fits in 95 GiB per device" in proc.stdout
+  assert max(peak_rss_kib, before) < 3 * 2**20  # < 3 GiB of host memory: 16 GB of weights never existed
