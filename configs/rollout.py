@@ -24,6 +24,10 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict(dict(path=os.path.join(ASSETS, "tiny_policy"), dtype="float32",
                                            compute_dtype="", scan_layers=True, remat="none"))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
+  # Multi-process: "" = one process, or the cluster's environment (Cloud TPU pod, SLURM, Open MPI); see
+  # jalign/parallel/distributed.py. cpu_devices: CPU devices per process (tests, laptops).
+  c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1,
+                                                 cpu_devices=0, timeout_s=300))
   c.sampling = ml_collections.ConfigDict(dict(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
                                               num_samples=8, max_prompt_length=48, layout="training"))
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0,

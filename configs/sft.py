@@ -41,6 +41,10 @@ def get_config(arg=None):
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
   c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))
+  # Multi-process: "" = one process, or the cluster's environment (Cloud TPU pod, SLURM, Open MPI); see
+  # jalign/parallel/distributed.py. cpu_devices: CPU devices per process (tests, laptops).
+  c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1,
+                                                 cpu_devices=0, timeout_s=300))
   if arg == "tiny":
     c.run_dir = "runs/sft_tiny"
     c.model.arch.update(hidden_size=32, intermediate_size=64, num_layers=2, head_dim=16)

@@ -15,6 +15,7 @@ from jalign.losses.dpo import PAIRED, REFERENCE_FREE
 from jalign.models.config import ModelConfig
 from jalign.models.lora import LoraConfig
 from jalign.models.sharding import DEFAULT_RULES
+from jalign.parallel.distributed import DistributedSection
 
 
 class ConfigError(ValueError):
@@ -235,6 +236,7 @@ class RunConfig:
   grpo: GrpoSection = GrpoSection()
   rm: RewardModelSection = RewardModelSection()
   dpo: DpoSection = DpoSection()
+  distributed: DistributedSection = DistributedSection()   # multi-process start-up (jalign.parallel.distributed)
 
 
 # ----------------------------------------------------------------------------------------------------------------

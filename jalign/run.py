@@ -8,7 +8,9 @@ import jax
 from absl import app, logging
 from ml_collections import config_flags
 
-from jalign.config import ConfigError, RunConfig, validate
+from jalign.config import ConfigError, RunConfig, to_dataclass, validate
+from jalign.parallel import distributed
+from jalign.parallel.distributed import DistributedSection
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Task config: configs/<task>.py[:arg]", lock_config=True)
 
@@ -49,9 +51,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if _CONFIG.value is None:
     raise app.UsageError("--config=configs/<task>.py is required")
-  try:
+  try:  # the multi-process runtime first: the device count below is the global one
+    section = to_dataclass(DistributedSection, _CONFIG.value.get("distributed", {}), "config.distributed")
+    distributed.initialize(section)
     cfg = validate(_CONFIG.value, jax.device_count())
-  except ConfigError as e:
+  except (ConfigError, ValueError) as e:
     raise SystemExit(f"config error: {e}") from None
   from jalign.train.loop import NonFiniteError
   try:
@@ -60,7 +64,9 @@ def main(argv):
     raise SystemExit(f"stopped: {e}") from None
   shown = ("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/")
   summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(shown))
-  print(f"done: {summary}", flush=True)
+  if distributed.is_main():
+    print(f"done: {summary}", flush=True)
+  distributed.shutdown()
 
 
 if __name__ == "__main__":

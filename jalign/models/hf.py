@@ -23,6 +23,7 @@ from jalign.models import lora
 from jalign.models import safetensors_io as st
 from jalign.models.config import ModelConfig, load_hf_config, to_hf_config
 from jalign.models.decoder import Decoder
+from jalign.models import sharding
 from jalign.models.sharding import DEFAULT_RULES, state_shardings
 from jalign.models.safetensors_io import CheckpointError
 
@@ -288,7 +289,7 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   lm = lora.merge(lm)
   cfg = lm.cfg
   if score is not None:
-    score = np.asarray(jax.device_get(score), np.float32).reshape(-1)
+    score = sharding.to_host(score).astype(np.float32).reshape(-1)
     if score.shape != (cfg.hidden_size,):
       raise ValueError(f"score weight has shape {score.shape}, expected ({cfg.hidden_size},)")
     if cfg.pad_token_id is None:
@@ -299,7 +300,9 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   state = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
   # One tensor on the host at a time: a layer's slice is gathered from the (possibly sharded) stacked parameter
   # only when the writer reaches it.
-  to_host = lambda arr: np.asarray(jax.device_get(arr))
+  # Every process gathers (a collective); only process 0 writes.
+  main = jax.process_index() == 0
+  to_host = sharding.to_host
   entries = []
   for name, spec in _top_tensors(cfg).items():
     if name == "lm_head" and score is not None:
@@ -326,7 +329,13 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
   for file, shard in zip(names, shards):
-    st.write_file(os.path.join(out_dir, file), [(n, s, dtype, p) for n, s, p in shard])
+    if main:
+      st.write_file(os.path.join(out_dir, file), [(n, s, dtype, p) for n, s, p in shard])
+    else:
+      for _, _, produce in shard:
+        produce()  # take part in the gathers
+  if not main:
+    return
   if len(shards) > 1:
     index = {"metadata": {"total_size": sum(int(np.prod(e[1])) * dtype.itemsize for e in entries)},
              "weight_map": {e[0]: f for f, shard in zip(names, shards) for e in shard}}

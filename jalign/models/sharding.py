@@ -92,3 +92,12 @@ def state_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
   """NamedSharding for every parameter of `model` (abstract or concrete), shaped like `nnx.state(model, Param)`."""
   return jax.tree.map(lambda v: named_sharding(v.get_metadata().get(AXES) or (None,) * v.ndim, v.shape, mesh, rules),
                       nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def to_host(x) -> np.ndarray:
+  """A NumPy copy of `x`. An array with shards on other processes is gathered first: a collective, so every
+  process must make the same calls in the same order."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))

@@ -7,6 +7,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import kernels
+from jalign.models.sharding import to_host
 
 
 def targets_and_weights(batch: dict):
@@ -52,5 +53,5 @@ def exact_match(graphdef, params, examples: list[dict], *, batch_size: int = 64)
     for i, e in enumerate(chunk):
       tokens[i, :len(e["tokens"])] = e["tokens"]
       mask[i, :len(e["loss_mask"])] = e["loss_mask"]
-    hits.extend(np.asarray(correct(params, jnp.asarray(tokens), jnp.asarray(mask)))[:len(chunk)].tolist())
+    hits.extend(to_host(correct(params, jnp.asarray(tokens), jnp.asarray(mask)))[:len(chunk)].tolist())
   return float(np.mean(hits)) if hits else 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -55,13 +56,28 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, step: int, abstract_state: Any, data_iterator, abstract_extra: Any = None):
-    """Restores onto the shardings in `abstract_state` (jax.ShapeDtypeStruct leaves), whatever mesh saved it.
-    Returns the state, or (state, extra) when `abstract_extra` is given."""
-    items = dict(state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iterator))
+    """Restores onto the shardings in `abstract_state` (jax.ShapeDtypeStruct leaves), whatever mesh and number of
+    processes saved it. Returns the state, or (state, extra) when `abstract_extra` is given."""
+    items = dict(state=ocp.args.StandardRestore(abstract_state))
+    saved_data = self._data_states(step)
+    if saved_data is None:  # saved by as many processes as there are now: each resumes its own reader
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     if abstract_extra is not None:
       items["extra"] = ocp.args.StandardRestore(abstract_extra)
     out = self._manager.restore(step, args=ocp.args.Composite(**items))
+    if saved_data is not None:
+      data_iterator.set_state(remap_data_state(saved_data, data_iterator.get_state()))
     return out["state"] if abstract_extra is None else (out["state"], out["extra"])
+
+  def _data_states(self, step: int) -> list[dict] | None:
+    """The data-reader states of a step saved by a different number of processes (None when it matches)."""
+    directory = os.path.join(self.directory, str(step), "data")
+    if os.path.exists(os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")):
+      return None
+    names = [n for n in os.listdir(directory) if re.fullmatch(r"process_\d+-of-\d+\.json", n)]
+    if not names:
+      raise FileNotFoundError(f"{directory}: no data-reader state (process_*-of-*.json)")
+    return [json.load(open(os.path.join(directory, n), encoding="utf-8")) for n in sorted(names)]
 
   def wait(self) -> None:
     self._seal_finished()
@@ -128,3 +144,29 @@ def verify(directory: str) -> str | None:
     if _digest(file) != digest:
       return f"{name} does not match its checksum (truncated or altered)"
   return None
+
+
+def remap_data_state(saved: list[dict], fresh: dict) -> dict:
+  """This process's reader state, from the states of the N processes that saved (each read records p, p + N, ...
+  of the shared global order): every reader resumes at the global position the slowest saved one had reached,
+  so with unpacked batches (equal counts per process) not a record is repeated or skipped. Packing bins
+  half-filled at save time are not carried over. Skip counters are summed onto process 0."""
+  position = min(_next_index(s) for s in saved) * len(saved)
+  state = json.loads(json.dumps(fresh))
+  _set_next_index(state, position // jax.process_count())
+  for key in ("bad", "too_long"):
+    if key in state:
+      state[key] = sum(int(s.get(key, 0)) for s in saved) if jax.process_index() == 0 else 0
+  return state
+
+
+def _next_index(state: dict) -> int:
+  while "next_index" not in state:
+    state = state["parent"]
+  return int(state["next_index"])
+
+
+def _set_next_index(state: dict, value: int) -> None:
+  while "next_index" not in state:
+    state = state["parent"]
+  state["next_index"] = value

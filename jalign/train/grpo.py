@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import models, parallel, sampling
+from jalign.parallel import distributed
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib, policy as policy_lib
@@ -88,7 +89,7 @@ def accuracy(lm, tok, prompts, metric: str, max_new: int, batch: int = 128) -> f
     ids, mask = left_pad(chunk, tok.pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=max_new, temperature=0.0,
                             stop_token_ids=(tok.eos_id,), pad_id=tok.pad_id)
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    tokens, lengths = distributed.to_host((out.tokens, out.lengths))
     texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(chunk))]
     scores.extend(REGISTRY[metric](Batch(texts, [p.ground_truth for p in chunk], lengths)).tolist())
   return float(np.mean(scores))
@@ -204,7 +205,7 @@ def run(cfg: RunConfig) -> dict:
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                                 top_p=s.top_p, min_p=s.min_p, stop_token_ids=(tok.eos_id,),
                                 num_samples=s.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=gen_rules)
-        response, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        response, lengths = distributed.to_host((out.tokens, out.lengths))
         owners = [prompts[i // s.num_samples] for i in range(rows)]
         texts = [tok.decode(response[i, :lengths[i]]) for i in range(rows)]
         scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
@@ -229,7 +230,7 @@ def run(cfg: RunConfig) -> dict:
                "response": response.astype(np.int32), "response_mask": response_mask}
       if behaviour is not None:  # offline: importance ratios against the stored behaviour log-probs
         batch["old_logp"] = behaviour
-      device_batch = loop.global_batch(batch, batch_sharding)
+      device_batch = loop.global_from_full(batch, batch_sharding)
       if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
         device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
       device_batch["ref_logp"] = logprobs(reference, device_batch)
@@ -237,7 +238,7 @@ def run(cfg: RunConfig) -> dict:
       adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef)
       if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
         extra_cols["response_mask"] = response_mask * informative[:, None]
-      device_batch.update(loop.global_batch({"advantages": adv, **extra_cols}, batch_sharding))
+      device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, batch_sharding))
       if kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
         kl_ctl.value = float(np.float32(kl_ctl.update(adv_metrics["actor/reward_kl"], rows)))
 
@@ -314,7 +315,7 @@ def run(cfg: RunConfig) -> dict:
       writer.write(cfg.train.steps, {"eval/accuracy": acc})
       writer.print(f"held-out {metric} accuracy: {initial_acc:.4f} -> {acc:.4f} ({(acc - initial_acc) * 100:+.1f} "
                    f"points); KL to reference {final.get('actor/kl_loss', 0.0):.4f}")
-    if cfg.checkpoint.export_hf and jax.process_index() == 0:
+    if cfg.checkpoint.export_hf:  # every process gathers the weights; process 0 writes
       models.save_pretrained(policy(state), os.path.join(cfg.run_dir, "hf"), tokenizer=tok)
   writer.close()
   return final
@@ -337,10 +338,10 @@ def _advantages(g, device_batch: dict, scores: np.ndarray, groups: np.ndarray, c
                                   gamma=g.gamma, lam=g.lam)
   extra = {}
   if critic is not None:
-    returns, values, m = np.asarray(returns), np.asarray(values), np.asarray(mask)
+    returns, values, m = distributed.to_host((returns, values, mask))
     extra = {"returns": returns.astype(np.float32), "old_values": values.astype(np.float32)}
     r, residual = returns[m > 0], (returns - values)[m > 0]
     metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r.var(), 1e-8)),
                     "critic/values/mean": float(values[m > 0].mean()), "critic/returns/mean": float(r.mean())})
   metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
-  return np.asarray(adv, np.float32), extra, metrics
+  return distributed.to_host(adv).astype(np.float32), extra, metrics

@@ -172,6 +172,13 @@ def global_batch(local: dict, sharding) -> dict:
           if k != "record"}
 
 
+def global_from_full(full: dict, sharding) -> dict:
+  """Device arrays of a batch that every process holds whole (rollouts: each process generates, gathers and scores
+  the same rows); each process places only its own shards."""
+  return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda idx, v=v: np.asarray(v)[idx])
+          for k, v in full.items() if k != "record"}
+
+
 class NonFiniteError(RuntimeError):
   """A step's loss or gradient was NaN/Inf under train.nonfinite='stop' (the update was not applied)."""
 
@@ -299,7 +306,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
       save(cfg.train.steps)
     final.update(evaluate_now(cfg.train.steps, s.full(state.params)))
     ckpt.close()
-    if cfg.checkpoint.export_hf and jax.process_index() == 0:
+    if cfg.checkpoint.export_hf:  # every process gathers the weights; process 0 writes
       out = os.path.join(cfg.run_dir, "hf")
       task.export(nnx.merge(s.graphdef, s.full(state.params)), out, s.tok)
       writer.print(f"exported HF checkpoint to {out}")

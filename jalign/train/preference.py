@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import numpy as np
 
 from jalign import parallel
+from jalign.parallel import distributed
 from jalign.config import RunConfig
 from jalign.data import preference
 from jalign.data.sources import DataError, open_source
@@ -91,6 +91,6 @@ class PreferenceTask(loop.Task):
       chunk = examples[start:start + rows]
       host = self.batch_fn(chunk + [chunk[-1]] * (rows - len(chunk)))
       device = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}
-      out = jax.device_get(fn(device))
-      outs.append(jax.tree.map(lambda x: np.asarray(x)[:len(chunk)], out))
+      out = distributed.to_host(fn(device))
+      outs.append(jax.tree.map(lambda x: x[:len(chunk)], out))
     return outs

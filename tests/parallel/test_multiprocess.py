@@ -1,0 +1,103 @@
+"""Two processes on localhost (2 CPU devices each, joined by jax.distributed) against one process on 4 devices: the
+same losses and final parameters for SFT, DPO and GRPO, and checkpoints that restore across the two layouts (2
+processes -> 1 and 1 -> 2). The 1-process runs use 4 of this test process's 8 fake devices, so the mesh is the same
+('fsdp' = 4) in both layouts."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jalign.train import dpo as dpo_task, grpo, sft as sft_task
+from tests.configs_util import ROOT, run_config
+
+QUIET = dict(log__progress=False, log__tensorboard=False, checkpoint__async_save=False)
+COMMON = {  # per task: unpacked rows (each process reads every other record: the same global batch) and no evals
+    "sft": dict(data__packing=False, data__eval="", mesh__shape=(1, 4, 1), train__batch_size=8),
+    "dpo": dict(data__eval="", dpo__eval_prompts="", mesh__shape=(1, 4, 1), train__batch_size=8),
+    "grpo": dict(grpo__eval_prompts="", mesh__shape=(1, 4, 1)),
+}
+RUN = {"sft": sft_task.run, "dpo": dpo_task.run, "grpo": grpo.run}
+
+
+def _flag(key: str, value) -> str:
+  if isinstance(value, tuple):
+    value = "(" + ",".join(str(v) for v in value) + ")"
+  return f"--config.{key.replace('__', '.')}={value}"
+
+
+def _two_processes(task: str, run_dir: str, **overrides) -> None:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process: 2 devices, from the config
+  settings = {**QUIET, **COMMON[task], "run_dir": run_dir, **overrides}
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "jalign.run", f"--config=configs/{task}.py:tiny",
+       *[_flag(k, v) for k, v in settings.items()],
+       f"--config.distributed.coordinator_address=127.0.0.1:{port}", "--config.distributed.num_processes=2",
+       f"--config.distributed.process_id={i}", "--config.distributed.cpu_devices=2"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
+
+
+def _one_process(task: str, run_dir: str, **overrides) -> dict:
+  return RUN[task](run_config(task, **{**QUIET, **COMMON[task], "run_dir": run_dir, **overrides}))
+
+
+def _metrics(run_dir) -> dict[int, dict]:
+  out = {}
+  for line in open(os.path.join(run_dir, "metrics.jsonl")):
+    row = json.loads(line)
+    out.setdefault(row["step"], {}).update(row)
+  return out
+
+
+def _same_metrics(a, b, keys, steps, rtol=1e-5):
+  ma, mb = _metrics(a), _metrics(b)
+  for step in steps:
+    for key in keys:
+      np.testing.assert_allclose(mb[step][key], ma[step][key], rtol=rtol, atol=1e-6, err_msg=f"step {step} {key}")
+
+
+def _same_weights(a, b, atol=1e-6):
+  wa, wb = load_file(os.path.join(a, "hf", "model.safetensors")), load_file(os.path.join(b, "hf", "model.safetensors"))
+  assert wa.keys() == wb.keys()
+  for name in wa:
+    np.testing.assert_allclose(wb[name], wa[name], atol=atol, err_msg=name)
+
+
+def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
+  steps = dict(train__steps=4, train__log_every=1, checkpoint__every=2)
+  one, two_then_one, one_then_two = (str(tmp_path / n) for n in ("one", "two_then_one", "one_then_two"))
+  _one_process("sft", one, **steps)
+  # 2 processes train steps 1-2 and save; 1 process restores their checkpoint and trains steps 3-4.
+  _two_processes("sft", two_then_one, **{**steps, "train__steps": 2, "checkpoint__export_hf": False})
+  _one_process("sft", two_then_one, **steps)
+  # 1 process trains steps 1-2 and saves; 2 processes restore it, train steps 3-4 and export.
+  _one_process("sft", one_then_two, **{**steps, "train__steps": 2, "checkpoint__export_hf": False})
+  _two_processes("sft", one_then_two, **steps)
+  keys = ("train/loss", "train/grad_norm")
+  _same_metrics(one, two_then_one, keys, steps=(1, 2, 3, 4))
+  _same_metrics(one, one_then_two, keys, steps=(1, 2, 3, 4))
+  _same_weights(one, two_then_one)
+  _same_weights(one, one_then_two)  # written by process 0 after both gathered the sharded weights
+
+
+@pytest.mark.parametrize("task,keys", [
+    ("dpo", ("train/loss", "rewards/margins", "logps/chosen")),
+    ("grpo", ("actor/loss", "actor/kl_loss", "critic/score/mean", "response_length/mean")),
+])
+def test_dpo_and_grpo_two_processes_equal_one(task, keys, tmp_path):
+  """GRPO: both processes generate the same rollouts on the global mesh, gather and score them identically."""
+  settings = dict(train__steps=2, train__log_every=1)
+  _one_process(task, str(tmp_path / "one"), **settings)
+  _two_processes(task, str(tmp_path / "two"), **settings)
+  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), keys, steps=(1, 2), rtol=1e-4)
+  _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=1e-5)
