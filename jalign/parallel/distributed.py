@@ -3,6 +3,7 @@ whose global mesh spans every process's devices. The same program runs on one CP
 
 How a process learns its place, first match wins:
 1. `distributed.coordinator_address` (host:port of process 0), `num_processes` and `process_id` in the config;
+   or `coordinator_address="auto"`: JAX's own detection of the cluster (what tpu_scripts/launch.sh passes);
 2. the environment of a cluster JAX recognises: Cloud TPU pod slices (`TPU_WORKER_HOSTNAMES` lists several
    workers), SLURM (`SLURM_NTASKS` > 1), Open MPI (`OMPI_COMM_WORLD_SIZE` > 1), or `JAX_COORDINATOR_ADDRESS` set
    (with `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`: Kubernetes and hand-rolled launchers); JAX's own cluster
@@ -25,7 +26,8 @@ from jalign.models import sharding
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
-  coordinator_address: str = ""        # "host:port" of process 0; "" = from the cluster environment, or one process
+  coordinator_address: str = ""        # "host:port" of process 0; "auto" = JAX detects the cluster; "" = from
+                                       # the cluster environment when there is one, else a single process
   num_processes: int = 0               # with coordinator_address: how many processes join
   process_id: int = -1                 # with coordinator_address: this process's rank, 0 .. num_processes - 1
   cpu_devices: int = 0                 # CPU runs only: devices per process (tests and laptops); 0 = the default
@@ -57,7 +59,9 @@ def initialize(section: DistributedSection) -> bool:
     jax.config.update("jax_num_cpu_devices", section.cpu_devices)
   if _started:
     return True
-  if section.coordinator_address:
+  if section.coordinator_address == "auto":
+    jax.distributed.initialize(initialization_timeout=section.timeout_s)
+  elif section.coordinator_address:
     if section.num_processes < 1 or not 0 <= section.process_id < section.num_processes:
       raise ValueError(f"distributed.coordinator_address={section.coordinator_address!r} needs num_processes >= 1 "
                        f"and 0 <= process_id < num_processes (got {section.num_processes}, {section.process_id})")
