@@ -1,0 +1,22 @@
+"""notebooks/ execute top to bottom (tiny configs on CPU) with nbclient, as a Colab runtime would run them."""
+import os
+
+import nbclient
+import nbformat
+import pytest
+
+from tests.configs_util import ROOT
+
+
+@pytest.mark.parametrize("name", ["grpo_quickstart", "dpo_rm_quickstart"])
+def test_notebook_runs(name):
+  path = os.path.join(ROOT, "notebooks", f"{name}.ipynb")
+  nb = nbformat.read(path, as_version=4)
+  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                   resources={"metadata": {"path": os.path.dirname(path)}})
+  client.execute()
+  outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", []))
+  assert "configs: tiny" in outputs
+  errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
+            if o.get("output_type") == "error"]
+  assert not errors
