@@ -7,8 +7,9 @@ without allocating the model (every input is a `jax.ShapeDtypeStruct` with its s
 `--devices` fakes that many host devices (the check runs on any machine, a laptop included); the figures are XLA's
 own buffer assignment for the SPMD-partitioned step on one device: parameters and optimizer state (the step's
 arguments), activations and temporaries (`temp`), and its outputs less what donation aliases back onto the inputs.
-On an accelerator the compiler differs (fusion, layouts), so treat the CPU figure as an estimate within tens of
-percent; the parameter and optimizer bytes are exact.
+On an accelerator the compiler differs (fusion, layouts; the CPU compiler also runs bf16 matmuls in fp32, holding
+fp32 copies of gathered weights), so the CPU figure for temporaries is an upper estimate; the parameter and
+optimizer bytes are exact.
 """
 from __future__ import annotations
 
