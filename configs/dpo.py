@@ -24,7 +24,7 @@ def get_config(arg=None):
   c.tokenizer = ""
   c.model = ml_collections.ConfigDict(dict(
       path=os.path.join(ASSETS, "tiny_policy"), arch=None, dtype="float32", compute_dtype="", scan_layers=True,
-      remat="none",
+      remat="none", offload_reference=False,   # True: the reference waits in host memory between its forwards
       # Low-rank adapters instead of full fine-tuning: rank > 0 (e.g. 16); the reference is then the base model.
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=("all-linear",)))))
   c.data = ml_collections.ConfigDict(dict(

@@ -22,6 +22,7 @@ def get_config(arg=None):
   c.tokenizer = ""
   c.model = ml_collections.ConfigDict(dict(path=os.path.join(ASSETS, "tiny_policy"), dtype="float32",
                                            compute_dtype="", scan_layers=True, remat="none",
+                                           offload_reference=False,  # True: the reference waits in host memory
                                            # LoRA instead of full fine-tuning: rank > 0; the reference is the base
                                            lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0,
                                                                                targets=("all-linear",)))))

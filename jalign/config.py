@@ -31,6 +31,8 @@ class ModelSection:
   scan_layers: bool = True
   remat: Literal["none", "full", "dots"] = "none"
   lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning
+  offload_reference: bool = False      # DPO / GRPO / PPO: keep the frozen reference in host memory, copied to the
+                                       # device only for its forward passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +387,16 @@ def validate(values, num_devices: int) -> RunConfig:
 
 def _validate_lora(cfg: RunConfig) -> None:
   lo = cfg.model.lora
+  if cfg.model.offload_reference:
+    if lo.rank:
+      raise ConfigError("config.model.offload_reference=True with model.lora.rank > 0: with adapters the reference "
+                        "is the base weights the policy trains on, already on the device; set one of them off")
+    if cfg.task == "dpo" and cfg.dpo.sync_ref_model:
+      raise ConfigError("config.model.offload_reference=True with dpo.sync_ref_model=True: the synced reference is "
+                        "updated every few steps on the device; set one of them off")
+    if cfg.task not in ("dpo", "grpo", "ppo"):
+      raise ConfigError(f"config.model.offload_reference=True: task {cfg.task!r} has no reference model (dpo, grpo "
+                        "and ppo do)")
   if lo.rank < 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
     raise ConfigError(f"config.model.lora: rank={lo.rank}, alpha={lo.alpha}, dropout={lo.dropout}; accepted: rank >= 0 "
                       "(0 = off), alpha > 0, 0 <= dropout < 1")

@@ -40,7 +40,8 @@ def test_shellcheck_clean():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help(script):
   proc = _run(script, "--help")
-  assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: tpu_scripts/{script}.sh") and "--dry-run" in proc.stdout
+  assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: tpu_scripts/{script}.sh")
+  assert "--dry-run" in proc.stdout
 
 
 def test_create_on_demand_spot_and_queued():

@@ -34,3 +34,15 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, param_shardings
   abstract_state = jax.eval_shape(optimizer.init, params_abstract)
   return optax.tree_map_params(optimizer, lambda _, s: s, abstract_state, param_shardings,
                                transform_non_params=lambda _: replicated(mesh))
+
+
+def in_memory(tree, kind: str):
+  """`tree` moved to memory `kind` ("device" or "pinned_host"), each array keeping its sharding's layout."""
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
+
+
+def fetching(fn, host_tree):
+  """fn(tree, *args) for a tree kept in host memory (`in_memory(tree, "pinned_host")`): inside the jitted call it is
+  copied to device memory for the computation, and the copy is freed afterwards; nothing of it stays resident."""
+  device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), host_tree)
+  return lambda tree, *args: fn(jax.device_put(tree, device), *args)

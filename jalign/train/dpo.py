@@ -86,7 +86,7 @@ class DpoTask(PreferenceTask):
     self.graphdef, self.mesh = setup.graphdef, setup.mesh
     sharding = parallel.batch_sharding(setup.mesh)
     logps = functools.partial(objective.sequence_logps, setup.graphdef, logprobs=cfg.logprobs.options())
-    self._ref_fn = jax.jit(lambda params, batch: tuple(logps(params, batch)[0].T), out_shardings=(sharding, sharding))
+    ref_fn = lambda params, batch: tuple(logps(params, batch)[0].T)  # noqa: E731
     alpha = p.ref_model_mixup_alpha
     self._mix = jax.jit(lambda policy, ref: jax.tree.map(lambda a, b: (alpha * a + (1 - alpha) * b).astype(b.dtype),
                                                          policy, ref), donate_argnums=1)
@@ -94,6 +94,10 @@ class DpoTask(PreferenceTask):
       # frozen: the policy as loaded; with LoRA, the base with adapters off (its weights shared, not copied)
       self.reference = (lora.disabled(setup.full(setup.state.params)) if setup.frozen is not None
                         else jax.tree.map(jnp.copy, setup.state.params))
+      if cfg.model.offload_reference:
+        self.reference = parallel.in_memory(self.reference, "pinned_host")
+        ref_fn = parallel.fetching(ref_fn, self.reference)
+    self._ref_fn = jax.jit(ref_fn, out_shardings=(sharding, sharding))
     specs = [s for s in (cfg.data.train, cfg.data.eval) if s]
     super().start(setup)  # checks (and with precompute_ref_logps, the reference pass over) every split
     if self.reference is not None and not self.kto:

@@ -138,13 +138,18 @@ def run(cfg: RunConfig) -> dict:
 
   lr_scale = 1.0
   update = build_update(lr_scale)
-  logprobs = jax.jit(lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,
-                                                                      cfg.logprobs.options())[0])
+  logprobs_fn = lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,  # noqa
+                                                                   cfg.logprobs.options())[0]
+  logprobs = jax.jit(logprobs_fn)
   state = setup.state
   full = setup.full
   # frozen: the policy as loaded; with LoRA, the base with adapters off (its weights shared, not copied)
   reference = (lora.disabled(full(state.params)) if setup.frozen is not None
                else jax.tree.map(jnp.copy, state.params))
+  ref_logprobs = logprobs
+  if cfg.model.offload_reference:
+    reference = parallel.in_memory(reference, "pinned_host")
+    ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, reference))
   critic = Critic(cfg, nnx.merge(graphdef, full(state.params)), mesh, rows // g.mini_batches) \
       if g.adv_estimator == "gae" else None
   kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
@@ -189,7 +194,9 @@ def run(cfg: RunConfig) -> dict:
   with jax.set_mesh(mesh):
     initial_acc = None
     if eval_prompts:
-      initial_acc = accuracy(nnx.merge(graphdef, reference), tok, eval_prompts, metric, s.max_new_tokens)
+      on_device = parallel.in_memory(reference, "device") if cfg.model.offload_reference else reference
+      initial_acc = accuracy(nnx.merge(graphdef, on_device), tok, eval_prompts, metric, s.max_new_tokens)
+      del on_device
       writer.print(f"held-out {metric} accuracy of the initial policy: {initial_acc:.4f}")
       writer.write(start, {"eval/accuracy": initial_acc})
       monitors.after_eval(start, initial_acc, len(eval_prompts))
@@ -233,7 +240,7 @@ def run(cfg: RunConfig) -> dict:
       device_batch = loop.global_from_full(batch, batch_sharding)
       if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
         device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
-      device_batch["ref_logp"] = logprobs(reference, device_batch)
+      device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
       kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef
       adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef)
       if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss

@@ -104,3 +104,39 @@ def test_bad_lora_configs(overrides, message):
 def test_tr_dpo_with_lora_is_refused():
   with pytest.raises(ConfigError, match="sync_ref_model=True with model.lora.rank"):
     run_config("dpo", dpo__sync_ref_model=True, **LORA)
+
+
+def test_offloaded_reference_lives_in_host_memory_and_changes_nothing(tmp_path):
+  """DPO with model.offload_reference: the reference's arrays sit in pinned host memory (device-resident bytes drop
+  by its size) and the run's losses equal the on-device run's."""
+  import gc
+
+  seen = {}
+
+  def device_bytes():
+    gc.collect()
+    return sum(x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind == "device")
+
+  class Spy(dpo_task.DpoTask):
+    def start(self, setup):
+      super().start(setup)
+      seen["kinds"] = {x.sharding.memory_kind for x in jax.tree.leaves(self.reference)}
+      seen["device_bytes"] = device_bytes()
+      seen["reference_bytes"] = sum(x.nbytes for x in jax.tree.leaves(self.reference))
+
+  runs = {}
+  for offload in (False, True):
+    cfg = run_config("dpo", run_dir=str(tmp_path / str(offload)), train__steps=3, train__log_every=1,
+                     dpo__eval_prompts="", data__eval="", checkpoint__export_hf=False,
+                     model__offload_reference=offload, **QUIET)
+    final = loop.run(cfg, Spy(cfg))
+    runs[offload] = (final["train/loss"], dict(seen))
+  (loss_on, on), (loss_off, off) = runs[False], runs[True]
+  assert on["kinds"] == {"device"} and off["kinds"] == {"pinned_host"}
+  assert on["device_bytes"] - off["device_bytes"] >= 0.9 * on["reference_bytes"]
+  assert loss_off == pytest.approx(loss_on, rel=1e-6)
+
+
+def test_offload_with_lora_is_refused():
+  with pytest.raises(ConfigError, match="offload_reference=True with model.lora.rank"):
+    run_config("dpo", model__offload_reference=True, **LORA)
