@@ -93,6 +93,12 @@ def is_main() -> bool:
   return jax.process_index() == 0
 
 
+def say(text: str) -> None:
+  """Prints on process 0 only (every process runs the same program and would say the same)."""
+  if is_main():
+    print(text, flush=True)
+
+
 def to_host(tree):
   """NumPy copies of a tree of (possibly multi-process) arrays. A collective when some array has shards on other
   processes: every process must call it, in the same order."""

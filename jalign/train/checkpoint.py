@@ -40,9 +40,10 @@ class Checkpointer:
       if problem is None:
         return step
       aside = os.path.join(self.directory, f"{step}.damaged")
-      os.replace(os.path.join(self.directory, str(step)), aside)  # out of the way of this step's next save
-      print(f"checkpoint {self.directory}/{step} is damaged ({problem}); moved to {aside}, resuming from an "
-            "earlier one", file=sys.stderr, flush=True)
+      if jax.process_index() == 0:  # every process finds the same damage; one moves it
+        os.replace(os.path.join(self.directory, str(step)), aside)  # out of the way of this step's next save
+        print(f"checkpoint {self.directory}/{step} is damaged ({problem}); moved to {aside}, resuming from an "
+              "earlier one", file=sys.stderr, flush=True)
       self._manager.reload()
     return None
 

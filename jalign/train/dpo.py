@@ -20,6 +20,8 @@ from flax import nnx
 
 from jalign import parallel
 from jalign.models import lora
+from jalign.parallel import distributed
+from jalign.parallel.distributed import say
 from jalign.config import REFERENCE_FREE, RunConfig, reward_spec
 from jalign.data import preference
 from jalign.data.sources import DataError, JsonlSource, open_source
@@ -75,7 +77,7 @@ class DpoTask(PreferenceTask):
     good, bad = preference.check_unpaired(source, self._encode_fn(), limit=d.check_records,
                                           skip_bad_records=d.skip_bad_records)
     if d.pair_checks != "off":
-      print(f"KTO data {spec}: {good} desirable and {bad} undesirable examples", flush=True)
+      say(f"KTO data {spec}: {good} desirable and {bad} undesirable examples")
 
   def make_loss_fn(self, graphdef):
     return objective.make_loss_fn(graphdef, self.loss_cfg, logprobs=self.cfg.logprobs.options())
@@ -107,7 +109,7 @@ class DpoTask(PreferenceTask):
     self._eval_prompts = self._load_eval_prompts(setup)
     if self._eval_prompts:
       self.initial_accuracy = self._accuracy(setup.full(setup.state.params))
-      print(f"held-out {self._metric} accuracy of the initial policy: {self.initial_accuracy:.4f}", flush=True)
+      say(f"held-out {self._metric} accuracy of the initial policy: {self.initial_accuracy:.4f}")
 
   def wrap_source(self, spec: str, source):
     if not self.cfg.dpo.precompute_ref_logps or self.reference is None:
@@ -116,11 +118,12 @@ class DpoTask(PreferenceTask):
     if os.path.exists(out_path):
       stored = JsonlSource(out_path)
       if len(stored) == len(source):
-        print(f"reference log-probs for {spec}: reusing {out_path}", flush=True)
+        say(f"reference log-probs for {spec}: reusing {out_path}")
         return stored
     chosen, rejected = self._reference_pass(source)
-    _write_with_logps(source, chosen, rejected, out_path)
-    print(f"reference log-probs for {spec}: {int(np.isfinite(chosen).sum())} pairs -> {out_path}", flush=True)
+    if distributed.is_main():  # every process computed them (a collective); one writes
+      _write_with_logps(source, chosen, rejected, out_path)
+    say(f"reference log-probs for {spec}: {int(np.isfinite(chosen).sum())} pairs -> {out_path}")
     return WithRefLogps(source, chosen, rejected)
 
   def _reference_pass(self, source) -> tuple[np.ndarray, np.ndarray]:

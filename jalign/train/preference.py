@@ -8,6 +8,7 @@ import jax
 
 from jalign import parallel
 from jalign.parallel import distributed
+from jalign.parallel.distributed import say
 from jalign.config import RunConfig
 from jalign.data import preference
 from jalign.data.sources import DataError, open_source
@@ -55,13 +56,13 @@ class PreferenceTask(loop.Task):
                                    skip_bad_records=d.skip_bad_records)
     self.stats[spec] = stats
     if d.pair_checks != "off":
-      print(f"preference data {spec}: {stats.summary()}", flush=True)
+      say(f"preference data {spec}: {stats.summary()}")
       problems = stats.problems(d.max_length_ratio)
       if problems and d.pair_checks == "error":
         raise DataError(f"{spec}: " + "; ".join(problems) + " (data.pair_checks='error'; 'warn' reports and "
                         "continues)")
       for p in problems:
-        print(f"warning: {spec}: {p}", flush=True)
+        say(f"warning: {spec}: {p}")
 
   def wrap_source(self, spec: str, source):
     return source
