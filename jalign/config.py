@@ -16,6 +16,7 @@ from jalign.models.config import ModelConfig
 from jalign.models.lora import LoraConfig
 from jalign.models.sharding import DEFAULT_RULES
 from jalign.parallel.distributed import DistributedSection
+from jalign.eval.policy import EvalSection
 
 
 class ConfigError(ValueError):
@@ -220,7 +221,7 @@ class DpoSection:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  task: Literal["sft", "rollout", "grpo", "ppo", "rm", "dpo"] = "sft"
+  task: Literal["sft", "rollout", "grpo", "ppo", "rm", "dpo", "eval"] = "sft"
   run_dir: str = "runs/default"
   seed: int = 0
   tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
@@ -239,6 +240,7 @@ class RunConfig:
   rm: RewardModelSection = RewardModelSection()
   dpo: DpoSection = DpoSection()
   distributed: DistributedSection = DistributedSection()   # multi-process start-up (jalign.parallel.distributed)
+  eval: EvalSection = EvalSection()    # held-out evaluation of a checkpoint (jalign.eval.policy)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -378,11 +380,31 @@ def validate(values, num_devices: int) -> RunConfig:
                         f"(data x fsdp = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
                         "grpo.mini_batches or mesh.shape")
   _validate_lora(cfg)
+  if cfg.task == "eval":
+    _validate_eval(cfg)
   if not cfg.model.path and cfg.model.arch is None:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):
     raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
   return cfg
+
+
+def _validate_eval(cfg: RunConfig) -> None:
+  e = cfg.eval
+  if not cfg.model.path:
+    raise ConfigError("config.model.path: empty; task 'eval' evaluates an HF checkpoint directory")
+  if e.examples <= 0 or e.max_new_tokens <= 0 or e.batch_size <= 0 or e.num_samples < 0:
+    raise ConfigError("config.eval: examples, max_new_tokens and batch_size must be positive, num_samples >= 0")
+  if e.num_samples and any(k < 1 or k > e.num_samples for k in e.pass_k):
+    raise ConfigError(f"config.eval.pass_k={e.pass_k}: each k must be in [1, eval.num_samples={e.num_samples}]")
+  if (e.num_samples or e.reference) and e.temperature <= 0:
+    raise ConfigError(f"config.eval.temperature={e.temperature}: samples (pass@k, the KL estimate) need a "
+                      "temperature > 0")
+  if e.judge == "reward_model" and not e.reward_model:
+    raise ConfigError("config.eval.judge='reward_model' needs config.eval.reward_model")
+  from jalign.rl.rewards import NEEDS_GROUND_TRUTH
+  if e.metric not in NEEDS_GROUND_TRUTH:
+    raise ConfigError(f"config.eval.metric={e.metric!r}; accepted verifiers: {', '.join(sorted(NEEDS_GROUND_TRUTH))}")
 
 
 def _validate_lora(cfg: RunConfig) -> None:

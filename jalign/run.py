@@ -40,8 +40,25 @@ def run_dpo(cfg: RunConfig) -> dict:
   return dpo.run(cfg)
 
 
+def run_eval(cfg: RunConfig) -> dict:
+  import json
+  import os
+
+  from jalign.eval.policy import evaluate
+  out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer)
+  if distributed.is_main():
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    path = os.path.join(cfg.run_dir, "eval.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump({"checkpoint": os.path.abspath(cfg.model.path), **out}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    for k, v in out.items():
+      print(f"{k}: {v:.4f}", flush=True)
+  return out
+
+
 TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo, "ppo": run_grpo, "rm": run_rm,
-         "dpo": run_dpo}
+         "dpo": run_dpo, "eval": run_eval}
 
 
 def main(argv):
@@ -51,17 +68,25 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if _CONFIG.value is None:
     raise app.UsageError("--config=configs/<task>.py is required")
+  from jalign.train.loop import NonFiniteError
+  is_pipeline = _CONFIG.value.get("task") == "pipeline"
   try:  # the multi-process runtime first: the device count below is the global one
     section = to_dataclass(DistributedSection, _CONFIG.value.get("distributed", {}), "config.distributed")
     distributed.initialize(section)
-    cfg = validate(_CONFIG.value, jax.device_count())
+    if is_pipeline:
+      from jalign.train import pipeline
+      pipeline.stage_configs(_CONFIG.value, jax.device_count())  # every stage's config checked before any runs
+    else:
+      cfg = validate(_CONFIG.value, jax.device_count())
   except (ConfigError, ValueError) as e:
     raise SystemExit(f"config error: {e}") from None
-  from jalign.train.loop import NonFiniteError
   try:
-    final = TASKS[cfg.task](cfg)
+    final = pipeline.run(_CONFIG.value, jax.device_count()) if is_pipeline else TASKS[cfg.task](cfg)
   except NonFiniteError as e:
     raise SystemExit(f"stopped: {e}") from None
+  if not is_pipeline and cfg.task not in ("eval", "rollout") and distributed.is_main():
+    from jalign.eval import report
+    print(f"report: {report.build(cfg.run_dir)}", flush=True)
   shown = ("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/")
   summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(shown))
   if distributed.is_main():

@@ -1,0 +1,255 @@
+"""Held-out evaluation of a policy checkpoint (any HF-format causal LM directory, jalign's or another tool's).
+
+On held-out prompts with ground truth: task accuracy under a verifier (greedy pass@1, and the unbiased pass@k of
+Chen et al. 2021 from n samples), mean response length, mean reward-model score, the win rate against a reference
+policy (each prompt's greedy answers judged by a reward model or by the verifier; a tie counts half), and the KL to
+the reference (per-sequence sum of log pi - log pi_ref over the policy's own samples). Optionally perplexity on
+held-out SFT data, and a reward model's pairwise accuracy and rank correlation on held-out preference pairs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jalign import models, sampling, tokenizer as tokenizer_lib
+from jalign.data import preference, sft as sft_data
+from jalign.data.sources import DataError, open_source
+from jalign.eval import ranking
+from jalign.models.sharding import to_host
+from jalign.objectives import grpo as grpo_objective, sft as sft_objective
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
+from jalign.rl.rollout import Prompt, encode_prompt, left_pad
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  prompts: str = "synthetic:arith:test"   # held-out prompts with ground truth (any prompt source jalign reads)
+  examples: int = 256                  # prompts evaluated (the first ones)
+  metric: str = "gsm8k"                # the verifier: a verifiable reward of jalign.rl.rewards
+  max_new_tokens: int = 16
+  num_samples: int = 0                 # n samples per prompt for pass@k; 0 = greedy only
+  pass_k: tuple[int, ...] = (1,)       # k values for pass@k (each <= num_samples)
+  temperature: float = 1.0             # of the samples (pass@k and the KL estimate)
+  reference: str = ""                  # HF dir of a reference policy: win rate and KL against it
+  reward_model: str = ""               # HF *ForSequenceClassification dir: mean score (and judge)
+  judge: Literal["auto", "reward_model", "verifier"] = "auto"   # win rate judge; auto = the reward model if any
+  sft_data: str = ""                   # held-out SFT data: perplexity
+  pairs: str = ""                      # held-out preference pairs: the reward model's pairwise accuracy, Spearman
+  batch_size: int = 128
+  seed: int = 0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), in the numerically stable
+  product form of Chen et al. 2021 (arXiv:2107.03374)."""
+  if k > n:
+    raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
+  if n - c < k:
+    return 1.0
+  return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def win_rate(policy_scores, reference_scores, *, tie_tolerance: float = 0.0) -> dict[str, float]:
+  """Pairwise comparison per prompt: a win when the policy's score is higher by more than `tie_tolerance`, a tie
+  within it (counted half, as AlpacaEval and MT-Bench pairwise judging do)."""
+  diff = np.asarray(policy_scores, np.float64) - np.asarray(reference_scores, np.float64)
+  wins, losses = float(np.mean(diff > tie_tolerance)), float(np.mean(diff < -tie_tolerance))
+  ties = 1.0 - wins - losses
+  return {"win_rate": wins + 0.5 * ties, "wins": wins, "ties": ties, "losses": losses}
+
+
+@dataclasses.dataclass
+class Responses:
+  """Completions of `prompts` (each repeated `n` times, in order): token ids [N*n, R], lengths, decoded texts."""
+  prompts: list[Prompt]
+  n: int
+  tokens: np.ndarray
+  lengths: np.ndarray
+  texts: list[str]
+
+  def truths(self) -> list:
+    return [p.ground_truth for p in self.prompts for _ in range(self.n)]
+
+  def prompt_arrays(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, mask = left_pad(self.prompts, pad_id)
+    return np.repeat(ids, self.n, 0), np.repeat(mask, self.n, 0)
+
+
+def generate(lm, tok, prompts: list[Prompt], *, max_new_tokens: int, temperature: float, n: int = 1, seed: int = 0,
+             batch_size: int = 128) -> Responses:
+  tokens, lengths = [], []
+  for start in range(0, len(prompts), batch_size):
+    chunk = prompts[start:start + batch_size]
+    ids, mask = left_pad(chunk, tok.pad_id)
+    out = sampling.generate(lm, ids, mask, jax.random.fold_in(jax.random.key(seed), start),
+                            max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=(tok.eos_id,),
+                            num_samples=n, pad_id=tok.pad_id)
+    t, length = to_host(out.tokens), to_host(out.lengths)
+    tokens.append(t)
+    lengths.append(length)
+  tokens, lengths = np.concatenate(tokens), np.concatenate(lengths)
+  texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
+  return Responses(prompts, n, tokens, lengths, texts)
+
+
+def verify(metric: str, r: Responses) -> np.ndarray:
+  return np.asarray(REGISTRY[metric](Batch(r.texts, r.truths(), r.lengths)), np.float64)
+
+
+def _rl_batch(r: Responses, pad_id: int) -> dict:
+  ids, mask = r.prompt_arrays(pad_id)
+  response_mask = (np.arange(r.tokens.shape[1])[None] < r.lengths[:, None]).astype(np.int32)
+  segment = np.concatenate([mask, response_mask], 1)
+  return {"tokens": np.concatenate([ids, r.tokens], 1).astype(np.int32), "segment_ids": segment.astype(np.int32),
+          "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
+          "response": r.tokens.astype(np.int32), "response_mask": response_mask}
+
+
+@functools.lru_cache(maxsize=8)
+def _logprob_fn(graphdef, temperature: float):
+  return jax.jit(lambda params, batch: grpo_objective.response_logprobs(graphdef, params, batch, temperature)[0])
+
+
+def sequence_logprobs(lm, r: Responses, pad_id: int, temperature: float, batch_size: int) -> np.ndarray:
+  """Summed log-probs [N*n] of each response under `lm` (the sampling distribution at `temperature`)."""
+  graphdef, params = nnx.split(lm)
+  fn = _logprob_fn(graphdef, temperature)
+  batch = _rl_batch(r, pad_id)
+  out = []
+  for start in range(0, len(r.tokens), batch_size):
+    part = {k: jnp.asarray(v[start:start + batch_size]) for k, v in batch.items()}
+    logp = to_host(fn(params, part))
+    out.append(np.sum(logp * batch["response_mask"][start:start + batch_size], axis=1))
+  return np.concatenate(out)
+
+
+def reward_scores(rm_path: str, r: Responses, pad_id: int) -> np.ndarray:
+  from jalign.rl.model_reward import ModelReward
+  rm = ModelReward(rm_path, 1.0, None)
+  ids, mask = r.prompt_arrays(pad_id)
+  return np.concatenate([rm(ids[s:s + 128], mask[s:s + 128], r.tokens[s:s + 128], r.lengths[s:s + 128])
+                         for s in range(0, len(ids), 128)])
+
+
+def perplexity(lm, tok, spec: str, *, max_length: int, batch_size: int) -> float:
+  """exp(mean NLL per loss token) over the SFT records of `spec` (completion / assistant tokens)."""
+  source = open_source(spec)
+  examples = []
+  for i in range(len(source)):
+    try:
+      examples.append(sft_data.encode(source[i], tok, max_length=max_length))
+    except DataError:
+      continue
+  graphdef, params = nnx.split(lm)
+  loss_fn = jax.jit(sft_objective.make_loss_fn(graphdef))
+  nll, count = 0.0, 0.0
+  for start in range(0, len(examples), batch_size):
+    chunk = examples[start:start + batch_size]
+    length = 1 << (max(len(e["tokens"]) for e in chunk) - 1).bit_length()
+    tokens = np.zeros((batch_size, length), np.int32)
+    loss_mask = np.zeros_like(tokens)
+    segment = np.zeros_like(tokens)
+    for i, e in enumerate(chunk):
+      n = len(e["tokens"])
+      tokens[i, :n], loss_mask[i, :n], segment[i, :n] = e["tokens"], e["loss_mask"], 1
+    batch = {"tokens": tokens, "loss_mask": loss_mask, "segment_ids": segment,
+             "positions": np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)}
+    s, w, _ = loss_fn(params, {k: jnp.asarray(v) for k, v in batch.items()})
+    nll, count = nll + float(s), count + float(w)
+  return math.exp(nll / count) if count else float("nan")
+
+
+def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: int) -> dict:
+  """A reward model's pairwise accuracy (chosen scored above rejected) and, with gold scores, Spearman / Kendall."""
+  from jalign.objectives.reward import RewardModel, pair_scores
+  backbone, score = models.load_sequence_classifier(rm_path)
+  rm = RewardModel.from_classifier(backbone, score)
+  source = open_source(spec)
+  examples = []
+  for i in range(len(source)):
+    try:
+      examples.append(preference.encode(source[i], tok, max_length=max_length))
+    except DataError:
+      continue
+  graphdef, params = nnx.split(rm)
+  fn = jax.jit(lambda p, b: pair_scores(nnx.merge(graphdef, p), b))
+  scores = []
+  for start in range(0, len(examples), batch_size):
+    chunk = examples[start:start + batch_size]
+    longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in chunk)
+    batch = preference.pair_batch((1 << (longest - 1).bit_length(),))(chunk)
+    scores.append(to_host(fn(params, {k: jnp.asarray(v) for k, v in batch.items()
+                                      if k in ("tokens", "segment_ids", "positions")})))
+  scores = np.concatenate(scores)
+  diff = scores[:, 0] - scores[:, 1]
+  out = {"rm/pairwise_accuracy": float(np.mean(diff > 0)), "rm/mean_margin": float(np.mean(diff))}
+  originals = [source[i] for i in range(len(source))]
+  if originals and all("chosen_score" in r and "rejected_score" in r for r in originals[:len(scores)]):
+    gold = np.asarray([[r["chosen_score"], r["rejected_score"]] for r in originals[:len(scores)]], np.float64)
+    out["rm/spearman"] = ranking.spearman(scores.reshape(-1), gold.reshape(-1))
+  return out
+
+
+def load_prompts(e: EvalSection, tok, max_prompt_length: int) -> list[Prompt]:
+  source = open_source(e.prompts)
+  return [encode_prompt(source[i], tok, index=i, where=source.where(i), max_length=max_prompt_length)
+          for i in range(min(len(source), e.examples))]
+
+
+def evaluate(e: EvalSection, path: str, *, tokenizer: str = "") -> dict[str, float]:
+  """Every metric the section asks for, for the HF checkpoint at `path` (see the module doc)."""
+  if e.metric not in REGISTRY or e.metric not in NEEDS_GROUND_TRUTH:
+    raise ValueError(f"eval.metric={e.metric!r}: accepted verifiers: {', '.join(sorted(NEEDS_GROUND_TRUTH))}")
+  if e.num_samples and any(k > e.num_samples for k in e.pass_k):
+    raise ValueError(f"eval.pass_k={e.pass_k}: every k must be <= eval.num_samples={e.num_samples}")
+  tok = tokenizer_lib.load(tokenizer or path)
+  lm = models.from_pretrained(path, dtype="float32")
+  max_prompt = lm.cfg.max_position_embeddings - e.max_new_tokens
+  prompts = load_prompts(e, tok, max_prompt)
+  gen = functools.partial(generate, tok=tok, prompts=prompts, max_new_tokens=e.max_new_tokens,
+                          batch_size=e.batch_size)
+  greedy = gen(lm, temperature=0.0)
+  correct = verify(e.metric, greedy)
+  out = {"eval/accuracy": float(np.mean(correct)), "eval/response_length": float(np.mean(greedy.lengths)),
+         "eval/prompts": float(len(prompts))}
+  samples = None
+  if e.num_samples:
+    samples = gen(lm, temperature=e.temperature, n=e.num_samples, seed=e.seed)
+    hits = (verify(e.metric, samples) > 0.5).reshape(len(prompts), e.num_samples).sum(1)
+    for k in e.pass_k:
+      out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(e.num_samples, int(c), k) for c in hits]))
+  rm_greedy = None
+  if e.reward_model:
+    rm_greedy = reward_scores(e.reward_model, greedy, tok.pad_id)
+    out["eval/rm_score"] = float(np.mean(rm_greedy))
+  if e.reference:
+    ref = models.from_pretrained(e.reference, dtype="float32")
+    ref_greedy = gen(ref, temperature=0.0)
+    judge = e.judge if e.judge != "auto" else ("reward_model" if e.reward_model else "verifier")
+    if judge == "reward_model":
+      if not e.reward_model:
+        raise ValueError("eval.judge='reward_model' needs eval.reward_model")
+      mine, theirs = rm_greedy, reward_scores(e.reward_model, ref_greedy, tok.pad_id)
+    else:
+      mine, theirs = correct, verify(e.metric, ref_greedy)
+    out.update({f"eval/{k}": v for k, v in win_rate(mine, theirs).items()})
+    out["eval/reference_accuracy"] = float(np.mean(verify(e.metric, ref_greedy)))
+    own = samples if samples is not None else gen(lm, temperature=e.temperature, n=1, seed=e.seed)
+    temperature = e.temperature if e.temperature > 0 else 1.0
+    kl = (sequence_logprobs(lm, own, tok.pad_id, temperature, e.batch_size)
+          - sequence_logprobs(ref, own, tok.pad_id, temperature, e.batch_size))
+    out["eval/kl_to_reference"] = float(np.mean(kl))
+  if e.sft_data:
+    out["eval/perplexity"] = perplexity(lm, tok, e.sft_data, max_length=lm.cfg.max_position_embeddings,
+                                        batch_size=e.batch_size)
+  if e.pairs and e.reward_model:
+    out.update(pair_metrics(e.reward_model, tok, e.pairs, max_length=lm.cfg.max_position_embeddings,
+                            batch_size=e.batch_size))
+  return out
