@@ -2,7 +2,8 @@
 
 Environment: KILL_AFTER_SAVE=k (once checkpoint k is complete), KILL_DURING_SAVE=k (right after checkpoint k is
 started, before it is finalised), KILL_AT_BATCH=n (after the n-th training batch is dispatched), KILL_AT_PART=n
-(when a rollout is about to write buffer part n).
+(when a rollout is about to write buffer part n). KILL_RUN_DIR=text limits the checkpoint kills to checkpoint
+directories containing `text` (one stage of a pipeline).
 """
 import os
 import signal
@@ -25,6 +26,8 @@ def main():
 
   def faulty_save(self, step, *args, **kwargs):
     save(self, step, *args, **kwargs)
+    if os.environ.get("KILL_RUN_DIR", "") not in self.directory:
+      return
     if during and step == int(during):
       _die()
     if after and step == int(after):
