@@ -35,16 +35,19 @@ def main():
       _die()
 
   checkpoint.Checkpointer.save = faulty_save
-  if at_batch:
-    real, calls = loop.global_batch, {"n": 0}
+  if at_batch:  # batches placed on the devices: by the shared loop, or (rollouts held whole) by GRPO / PPO
+    calls = {"n": 0}
 
-    def counting(*args, **kwargs):
-      calls["n"] += 1
-      if calls["n"] > int(at_batch):
-        _die()
-      return real(*args, **kwargs)
+    def counting(real):
+      def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > int(at_batch):
+          _die()
+        return real(*args, **kwargs)
+      return wrapped
 
-    loop.global_batch = counting
+    loop.global_batch = counting(loop.global_batch)
+    loop.global_from_full = counting(loop.global_from_full)
   at_part = os.environ.get("KILL_AT_PART")
   if at_part:
     write = buffer.BufferWriter.write
