@@ -1,6 +1,6 @@
 """The whole chain on the built-in arithmetic task: SFT -> reward model -> GRPO (or PPO) -> DPO, one command.
 
-    python -m jalign.run --config=configs/pipeline.py             # ~20 minutes on 2 CPU cores
+    python -m jalign.run --config=configs/pipeline.py             # ~11 minutes on 2 CPU cores
     python -m jalign.run --config=configs/pipeline.py:tiny        # seconds per stage, for tests
     python -m jalign.run --config=configs/pipeline.py --config.stages.grpo.optim.lr=5e-5   # any stage key
     python -m jalign.run --config=configs/pipeline.py --config.order="('sft','rm','ppo','dpo')"

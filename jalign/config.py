@@ -16,7 +16,6 @@ from jalign.models.config import ModelConfig
 from jalign.models.lora import LoraConfig
 from jalign.models.sharding import DEFAULT_RULES
 from jalign.parallel.distributed import DistributedSection
-from jalign.eval.policy import EvalSection
 
 
 class ConfigError(ValueError):
@@ -217,6 +216,25 @@ class DpoSection:
   eval_prompts: str = ""               # held-out prompts for greedy task accuracy (needs a ground truth); "" = none
   eval_examples: int = 500
   eval_max_new_tokens: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  """Held-out evaluation of a checkpoint (jalign.eval.policy)."""
+  prompts: str = "synthetic:arith:test"   # held-out prompts with ground truth (any prompt source jalign reads)
+  examples: int = 256                  # prompts evaluated (the first ones)
+  metric: str = "gsm8k"                # the verifier: a verifiable reward of jalign.rl.rewards
+  max_new_tokens: int = 16
+  num_samples: int = 0                 # n samples per prompt for pass@k; 0 = greedy only
+  pass_k: tuple[int, ...] = (1,)       # k values for pass@k (each <= num_samples)
+  temperature: float = 1.0             # of the samples (pass@k and the KL estimate)
+  reference: str = ""                  # HF dir of a reference policy: win rate and KL against it
+  reward_model: str = ""               # HF *ForSequenceClassification dir: mean score (and judge)
+  judge: Literal["auto", "reward_model", "verifier"] = "auto"   # win rate judge; auto = the reward model if any
+  sft_data: str = ""                   # held-out SFT data: perplexity
+  pairs: str = ""                      # held-out preference pairs: the reward model's pairwise accuracy, Spearman
+  batch_size: int = 128
+  seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import models, sampling, tokenizer as tokenizer_lib
+from jalign.config import EvalSection
 from jalign.data import preference, sft as sft_data
 from jalign.data.sources import DataError, open_source
 from jalign.eval import ranking
@@ -26,24 +26,6 @@ from jalign.models.sharding import to_host
 from jalign.objectives import grpo as grpo_objective, sft as sft_objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.rl.rollout import Prompt, encode_prompt, left_pad
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSection:
-  prompts: str = "synthetic:arith:test"   # held-out prompts with ground truth (any prompt source jalign reads)
-  examples: int = 256                  # prompts evaluated (the first ones)
-  metric: str = "gsm8k"                # the verifier: a verifiable reward of jalign.rl.rewards
-  max_new_tokens: int = 16
-  num_samples: int = 0                 # n samples per prompt for pass@k; 0 = greedy only
-  pass_k: tuple[int, ...] = (1,)       # k values for pass@k (each <= num_samples)
-  temperature: float = 1.0             # of the samples (pass@k and the KL estimate)
-  reference: str = ""                  # HF dir of a reference policy: win rate and KL against it
-  reward_model: str = ""               # HF *ForSequenceClassification dir: mean score (and judge)
-  judge: Literal["auto", "reward_model", "verifier"] = "auto"   # win rate judge; auto = the reward model if any
-  sft_data: str = ""                   # held-out SFT data: perplexity
-  pairs: str = ""                      # held-out preference pairs: the reward model's pairwise accuracy, Spearman
-  batch_size: int = 128
-  seed: int = 0
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -15,9 +15,8 @@ import json
 import os
 from typing import Any
 
-from jalign.config import ConfigError, to_dataclass, validate
+from jalign.config import ConfigError, EvalSection, to_dataclass, validate
 from jalign.eval import policy as policy_eval, report
-from jalign.eval.policy import EvalSection
 from jalign.parallel.distributed import is_main, say
 
 TASKS = ("sft", "rm", "grpo", "ppo", "dpo")
