@@ -72,12 +72,18 @@ def _stage_info(directory: str) -> dict:
   return {"eval": json.load(open(evaluation, encoding="utf-8"))} if os.path.exists(evaluation) else {}
 
 
+def _ends(values: list[float]) -> tuple[float, float]:
+  """Means of the first and the last fifth of a curve (single steps are noisy)."""
+  k = max(1, len(values) // 5)
+  return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
 def _trend(values: list[float]) -> float:
   """Mean of the last fifth minus mean of the first fifth (0 for fewer than 2 points)."""
   if len(values) < 2:
     return 0.0
-  k = max(1, len(values) // 5)
-  return sum(values[-k:]) / k - sum(values[:k]) / k
+  first, last = _ends(values)
+  return last - first
 
 
 def flags(name: str, rows: list[dict], info: dict, previous_eval: dict, max_kl: float | None) -> list[str]:
@@ -90,8 +96,9 @@ def flags(name: str, rows: list[dict], info: dict, previous_eval: dict, max_kl: 
   _, acc_curve = series(rows, "eval/accuracy")
   if rm_rose:
     if acc is not None and before is not None and acc < before:
-      out.append(f"{name}: the reward model's score rose ({rm[0]:.3f} -> {rm[-1]:.3f}) while held-out accuracy fell "
-                 f"({before:.3f} -> {acc:.3f})")
+      first, last = _ends(rm)
+      out.append(f"{name}: the reward model's score rose ({first:.3f} -> {last:.3f}, first and last fifth of the "
+                 f"run) while held-out accuracy fell ({before:.3f} -> {acc:.3f})")
     elif _trend(acc_curve) < 0:
       out.append(f"{name}: the reward model's score rose while the held-out accuracy curve fell "
                  f"({acc_curve[0]:.3f} -> {acc_curve[-1]:.3f})")

@@ -87,7 +87,7 @@ def add_adapters(lm, cfg: LoraConfig, *, seed: int = 0):
 
 
 def project(h, lp: dict, name: str, dense, cfg: LoraConfig | None, dropout_key=None):
-  """The adapter's share `scale * dropout(h) @ A @ B` of projection `name` (0 when it has no adapter)."""
+  """The adapter's share `scale * dropout(h) @ A @ B` of projection `name`, or None when it has no adapter."""
   if cfg is None or name + SUFFIX_A not in lp:
     return None
   x = h

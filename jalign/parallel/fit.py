@@ -155,6 +155,18 @@ def _loss_and_batch(cfg, graphdef, mesh):
   raise ValueError(f"task {task!r}: the fit check covers sft, rm, dpo, grpo and ppo")
 
 
+def _host_peak_rss() -> int | None:
+  """This process's peak resident memory (VmHWM: of its own address space, unlike getrusage, which a forked
+  process inherits from its parent), or None where /proc is not available."""
+  try:
+    for line in open("/proc/self/status", encoding="ascii"):
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
 def format_report(r: dict, hbm_gib: float = 0.0) -> str:
   gib = lambda x: f"{x / 2**30:8.2f} GiB" if x >= 2**30 else f"{x / 2**20:8.2f} MiB"
   b = r["bytes_per_device"]
@@ -189,6 +201,7 @@ def main(argv=None) -> int:
     from jalign.config import validate
     cfg = validate(config.value, jax.device_count())
     r = report(cfg, flags.FLAGS.arch)
+    r["host_peak_rss_bytes"] = _host_peak_rss()
     print(format_report(r, flags.FLAGS.hbm_gib))
     if flags.FLAGS.json:
       with open(flags.FLAGS.json, "w", encoding="utf-8") as f:

@@ -73,6 +73,7 @@ def _same_weights(a, b, atol=1e-6):
     np.testing.assert_allclose(wb[name], wa[name], atol=atol, err_msg=name)
 
 
+@pytest.mark.slow
 def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
   steps = dict(train__steps=4, train__log_every=1, checkpoint__every=2)
   one, two_then_one, one_then_two = (str(tmp_path / n) for n in ("one", "two_then_one", "one_then_two"))
@@ -90,6 +91,7 @@ def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
   _same_weights(one, one_then_two)  # written by process 0 after both gathered the sharded weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task,keys", [
     ("dpo", ("train/loss", "rewards/margins", "logps/chosen")),
     ("grpo", ("actor/loss", "actor/kl_loss", "critic/score/mean", "response_length/mean")),

@@ -99,6 +99,7 @@ def _run(run_dir, *extra):
   return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_tiny_ppo_runs_and_resumes_the_critic_and_kl_coefficient_exactly(tmp_path):
   straight = [r for r in _run(tmp_path / "a") if "critic/vf_loss" in r]
   assert [r["step"] for r in straight] == [1, 2, 3]

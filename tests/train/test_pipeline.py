@@ -28,6 +28,7 @@ def _read(path):
     return f.read()
 
 
+@pytest.mark.slow
 def test_pipeline_runs_every_stage_and_resumes_inside_the_third(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _pipeline(straight)
