@@ -120,15 +120,22 @@ def reward_scores(rm_path: str, r: Responses, pad_id: int) -> np.ndarray:
                          for s in range(0, len(ids), 128)])
 
 
-def perplexity(lm, tok, spec: str, *, max_length: int, batch_size: int) -> float:
-  """exp(mean NLL per loss token) over the SFT records of `spec` (completion / assistant tokens)."""
+def _encoded(spec: str, encode) -> list[dict]:
+  """The records of `spec` that `encode` accepts (a held-out check reads what it can, as a training run that skips
+  bad records would)."""
   source = open_source(spec)
-  examples = []
+  out = []
   for i in range(len(source)):
     try:
-      examples.append(sft_data.encode(source[i], tok, max_length=max_length))
+      out.append(encode(source[i]))
     except DataError:
       continue
+  return out
+
+
+def perplexity(lm, tok, spec: str, *, max_length: int, batch_size: int) -> float:
+  """exp(mean NLL per loss token) over the SFT records of `spec` (completion / assistant tokens)."""
+  examples = _encoded(spec, functools.partial(sft_data.encode, tok=tok, max_length=max_length))
   graphdef, params = nnx.split(lm)
   loss_fn = jax.jit(sft_objective.make_loss_fn(graphdef))
   nll, count = 0.0, 0.0
@@ -153,13 +160,7 @@ def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: i
   from jalign.objectives.reward import RewardModel, pair_scores
   backbone, score = models.load_sequence_classifier(rm_path)
   rm = RewardModel.from_classifier(backbone, score)
-  source = open_source(spec)
-  examples = []
-  for i in range(len(source)):
-    try:
-      examples.append(preference.encode(source[i], tok, max_length=max_length))
-    except DataError:
-      continue
+  examples = _encoded(spec, functools.partial(preference.encode, tok=tok, max_length=max_length))
   graphdef, params = nnx.split(rm)
   fn = jax.jit(lambda p, b: pair_scores(nnx.merge(graphdef, p), b))
   scores = []
@@ -169,14 +170,8 @@ def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: i
     batch = preference.pair_batch((1 << (longest - 1).bit_length(),))(chunk)
     scores.append(to_host(fn(params, {k: jnp.asarray(v) for k, v in batch.items()
                                       if k in ("tokens", "segment_ids", "positions")})))
-  scores = np.concatenate(scores)
-  diff = scores[:, 0] - scores[:, 1]
-  out = {"rm/pairwise_accuracy": float(np.mean(diff > 0)), "rm/mean_margin": float(np.mean(diff))}
-  originals = [source[i] for i in range(len(source))]
-  if originals and all("chosen_score" in r and "rejected_score" in r for r in originals[:len(scores)]):
-    gold = np.asarray([[r["chosen_score"], r["rejected_score"]] for r in originals[:len(scores)]], np.float64)
-    out["rm/spearman"] = ranking.spearman(scores.reshape(-1), gold.reshape(-1))
-  return out
+  # the encoded pairs keep their gold scores, so the correlations pair each score with its own record
+  return {"rm/" + k: v for k, v in ranking.pair_metrics(np.concatenate(scores), examples).items()}
 
 
 def load_prompts(e: EvalSection, tok, max_prompt_length: int) -> list[Prompt]:

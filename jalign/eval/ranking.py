@@ -41,3 +41,17 @@ def kendall_tau_b(x, y) -> float:
   n0 = n * (n - 1) / 2
   denom = np.sqrt((n0 - ties_x) * (n0 - ties_y))
   return float(concordant_minus_discordant / denom) if denom > 0 else float("nan")
+
+
+def pair_metrics(scores, examples: list[dict]) -> dict[str, float]:
+  """A reward model's scores [N, 2] (chosen, rejected) of N pairs: pairwise accuracy (chosen above rejected) and mean
+  margin; Spearman and Kendall tau-b against the gold scores when every pair carries `chosen_score` and
+  `rejected_score`."""
+  scores = np.asarray(scores, np.float64)
+  diff = scores[:, 0] - scores[:, 1]
+  out = {"pairwise_accuracy": float(np.mean(diff > 0)), "mean_margin": float(np.mean(diff))}
+  if len(examples) and all("chosen_score" in e and "rejected_score" in e for e in examples):
+    gold = np.asarray([[e["chosen_score"], e["rejected_score"]] for e in examples], np.float64)
+    out["spearman"] = spearman(scores.reshape(-1), gold.reshape(-1))
+    out["kendall"] = kendall_tau_b(scores.reshape(-1), gold.reshape(-1))
+  return out

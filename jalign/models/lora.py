@@ -117,8 +117,11 @@ def partition(params: dict) -> tuple[dict, dict]:
   return _filter(params, _trainable, True), _filter(params, _trainable, False)
 
 
-def combine(trainable: dict, frozen: dict) -> dict:
-  """The full parameter dict again (inverse of `partition`); no array is copied."""
+def combine(trainable: dict, frozen: dict | None) -> dict:
+  """The full parameter dict again (inverse of `partition`); no array is copied. `frozen` None: nothing is frozen
+  (full fine-tuning), `trainable` is the whole dict."""
+  if frozen is None:
+    return trainable
   out = dict(frozen)
   for k, v in trainable.items():
     out[k] = combine(v, out[k]) if isinstance(v, dict) and k in out else v

@@ -43,11 +43,8 @@ class Critic:
                            out_shardings=(shardings, rep), donate_argnums=0)
     self._values = jax.jit(lambda params, batch: ppo.response_values(self.graphdef, params, batch))
 
-  def full(self, params):
-    return params if self.frozen is None else lora.combine(params, self.frozen)
-
   def values(self, batch: dict) -> jax.Array:
-    return self._values(self.full(self.state.params), batch)
+    return self._values(lora.combine(self.state.params, self.frozen), batch)
 
   def update(self, batch: dict) -> dict:
     self.state, metrics = self._update(self.state, batch, self.frozen)

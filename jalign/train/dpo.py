@@ -14,12 +14,10 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jalign import parallel
-from jalign.models import lora
 from jalign.parallel import distributed
 from jalign.parallel.distributed import say
 from jalign.config import REFERENCE_FREE, RunConfig, reward_spec
@@ -93,11 +91,8 @@ class DpoTask(PreferenceTask):
     self._mix = jax.jit(lambda policy, ref: jax.tree.map(lambda a, b: (alpha * a + (1 - alpha) * b).astype(b.dtype),
                                                          policy, ref), donate_argnums=1)
     if p.loss_type not in REFERENCE_FREE:
-      # frozen: the policy as loaded; with LoRA, the base with adapters off (its weights shared, not copied)
-      self.reference = (lora.disabled(setup.full(setup.state.params)) if setup.frozen is not None
-                        else jax.tree.map(jnp.copy, setup.state.params))
+      self.reference = setup.reference()
       if cfg.model.offload_reference:
-        self.reference = parallel.in_memory(self.reference, "pinned_host")
         ref_fn = parallel.fetching(ref_fn, self.reference)
     self._ref_fn = jax.jit(ref_fn, out_shardings=(sharding, sharding))
     specs = [s for s in (cfg.data.train, cfg.data.eval) if s]

@@ -25,7 +25,6 @@ from jalign.parallel import distributed
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib, policy as policy_lib
-from jalign.models import lora
 from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.rl import buffer as buffer_lib
@@ -143,13 +142,8 @@ def run(cfg: RunConfig) -> dict:
   logprobs = jax.jit(logprobs_fn)
   state = setup.state
   full = setup.full
-  # frozen: the policy as loaded; with LoRA, the base with adapters off (its weights shared, not copied)
-  reference = (lora.disabled(full(state.params)) if setup.frozen is not None
-               else jax.tree.map(jnp.copy, state.params))
-  ref_logprobs = logprobs
-  if cfg.model.offload_reference:
-    reference = parallel.in_memory(reference, "pinned_host")
-    ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, reference))
+  reference = setup.reference()
+  ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, reference)) if cfg.model.offload_reference else logprobs
   critic = Critic(cfg, nnx.merge(graphdef, full(state.params)), mesh, rows // g.mini_batches) \
       if g.adv_estimator == "gae" else None
   kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None

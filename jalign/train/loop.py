@@ -43,7 +43,15 @@ class Setup:
 
   def full(self, params):
     """The model's whole parameter dict from the trainable part (no copy)."""
-    return params if self.frozen is None else lora.combine(params, self.frozen)
+    return lora.combine(params, self.frozen)
+
+  def reference(self):
+    """The frozen reference of DPO / GRPO / PPO: the policy as loaded (a copy), or with LoRA the base with adapters
+    off (its weights shared, not copied); in pinned host memory with model.offload_reference."""
+    if self.frozen is not None:
+      return lora.disabled(self.full(self.state.params))
+    reference = jax.tree.map(jnp.copy, self.state.params)
+    return parallel.in_memory(reference, "pinned_host") if self.cfg.model.offload_reference else reference
 
 
 class Task:

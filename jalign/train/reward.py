@@ -65,13 +65,7 @@ class RewardTask(PreferenceTask):
 
 def pair_metrics(scores: np.ndarray, examples: list[dict]) -> dict:
   """Held-out pairwise accuracy and mean margin; rank correlations with gold scores when every pair has them."""
-  diff = scores[:, 0] - scores[:, 1]
-  out = {"eval/pairwise_accuracy": float(np.mean(diff > 0)), "eval/mean_margin": float(np.mean(diff))}
-  if examples and all("chosen_score" in e and "rejected_score" in e for e in examples):
-    gold = np.asarray([[e["chosen_score"], e["rejected_score"]] for e in examples], np.float64)
-    out["eval/spearman"] = ranking.spearman(scores.reshape(-1), gold.reshape(-1))
-    out["eval/kendall"] = ranking.kendall_tau_b(scores.reshape(-1), gold.reshape(-1))
-  return out
+  return {"eval/" + k: v for k, v in ranking.pair_metrics(scores, examples).items()}
 
 
 def run(cfg: RunConfig) -> dict:

@@ -11,6 +11,7 @@ sync). The loop then skips on or stops (`train.nonfinite`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -47,7 +48,7 @@ def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_sched
     if dropout_seed is not None:
       micro["dropout_rng"] = jax.random.split(jax.random.fold_in(jax.random.key(dropout_seed), state.step),
                                               micro_batches)
-    whole = (lambda p: p) if frozen is None else (lambda p: lora.combine(p, frozen))
+    whole = functools.partial(lora.combine, frozen=frozen)
 
     def accumulate(carry, mb):
       grads, loss_sum, weight, sums = carry
