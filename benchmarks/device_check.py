@@ -120,7 +120,7 @@ def _train_step(cfg, lm, loss_fn, batch, repeats, seq_len, peaks) -> dict:
   graphdef, params = nnx.split(lm)
   params = nnx.to_pure_dict(params)
   optimizer = optax.adamw(1e-5)
-  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
   step = jax.jit(make_step(loss_fn(graphdef), optimizer, lambda s: 1e-5, 1), donate_argnums=0)
   holder = {"state": state}
 

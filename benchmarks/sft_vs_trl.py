@@ -110,7 +110,7 @@ def jalign_step(path: str):
   graphdef, params = nnx.split(lm)
   params = nnx.to_pure_dict(params)
   opt = optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
-  state = TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+  state = TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), jnp.zeros((), jnp.int32))
   step = jax.jit(make_step(sft.make_loss_fn(graphdef), opt, lambda s: LR, 1), donate_argnums=0)
   return state, step
 

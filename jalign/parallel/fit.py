@@ -84,9 +84,10 @@ def report(cfg, arch: str = "") -> dict:
   optimizer, schedule = optim_lib.make(cfg.optim, cfg.train.steps)
   opt_sh = parallel.optimizer_shardings(optimizer, param_sh, params, mesh)
   rep = parallel.replicated(mesh)
-  state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), with_sharding(params, param_sh),
-                     with_sharding(jax.eval_shape(optimizer.init, params), opt_sh))
-  state_sh = TrainState(rep, param_sh, opt_sh)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+  state = TrainState(scalar, with_sharding(params, param_sh), with_sharding(jax.eval_shape(optimizer.init, params),
+                                                                             opt_sh), scalar)
+  state_sh = TrainState(rep, param_sh, opt_sh, rep)
   loss_fn, batch = _loss_and_batch(cfg, graphdef, mesh)
   micro = cfg.train.micro_batches if task not in ("grpo", "ppo") else 1
   step = make_step(loss_fn, optimizer, schedule, micro, parallel.batch_sharding(mesh, leading_micro_axis=True))

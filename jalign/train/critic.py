@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jalign import models, parallel
@@ -32,9 +31,8 @@ class Critic:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
     rep = parallel.replicated(mesh)
-    self.state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), params,
-                            jax.jit(optimizer.init, out_shardings=opt_shardings)(params))
-    shardings = TrainState(rep, param_shardings, opt_shardings)
+    self.state = TrainState.begin(params, jax.jit(optimizer.init, out_shardings=opt_shardings)(params), rep)
+    shardings = TrainState(rep, param_shardings, opt_shardings, rep)
     batch_sharding = parallel.batch_sharding(mesh)
     loss = ppo.make_value_loss_fn(self.graphdef, ppo.ValueLossConfig(clip=g.value_clip, agg=g.agg,
                                                                       global_rows=global_rows))

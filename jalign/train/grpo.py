@@ -183,7 +183,6 @@ def run(cfg: RunConfig) -> dict:
   key = jax.random.key(cfg.seed)
   policy = lambda st: nnx.merge(graphdef, full(st.params))
   monitors = Monitors(entropy_floor=g.entropy_floor)
-  skipped = 0
 
   with jax.set_mesh(mesh):
     initial_acc = None
@@ -256,18 +255,18 @@ def run(cfg: RunConfig) -> dict:
           if critic is not None:
             m = {**m, **critic.update(mb)}
           for k, v in jax.device_get(m).items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            sums[k] = float(v) if k.endswith("skipped_nonfinite") else sums.get(k, 0.0) + float(v)  # counts
       n_updates = g.ppo_epochs * g.mini_batches
-      metrics = {k.replace("train/loss", "actor/loss"): v / n_updates for k, v in sums.items()}
+      metrics = {k.replace("train/loss", "actor/loss"): v if k.endswith("skipped_nonfinite") else v / n_updates
+                 for k, v in sums.items()}
       metrics.update(adv_metrics)
       if metrics.get("train/nonfinite", 0.0) > 0 or metrics.get("critic/nonfinite", 0.0) > 0:
         if cfg.train.nonfinite == "stop":
           ckpt.wait()
           raise loop.NonFiniteError(loop.nonfinite_message(step + 1, metrics, [p.where for p in prompts],
                                                            ckpt.directory, ckpt.latest_step()))
-        skipped += 1
-        writer.print(f"step {step + 1}: non-finite loss or gradient; update(s) skipped ({skipped} so far)")
-      metrics["train/skipped_nonfinite"] = skipped
+        skipped = metrics.get("train/skipped_nonfinite", 0) + metrics.get("critic/skipped_nonfinite", 0)
+        writer.print(f"step {step + 1}: non-finite loss or gradient; update(s) skipped ({int(skipped)} so far)")
       if kl_ctl is not None or g.kl_in_reward:
         metrics["actor/kl_coef"] = kl_coef
       if model_reward is not None and offline is None:

@@ -130,8 +130,8 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
   rep = parallel.replicated(mesh)
-  state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), params, opt_state)
-  shardings = TrainState(rep, param_shardings, opt_shardings)
+  state = TrainState.begin(params, opt_state, rep)
+  shardings = TrainState(rep, param_shardings, opt_shardings, rep)
   return Setup(cfg, mesh, tok, graphdef, lm.cfg, state, shardings, frozen, frozen_shardings)
 
 
@@ -256,10 +256,8 @@ def run(cfg: RunConfig, task: Task) -> dict:
   def save(step: int):
     ckpt.save(step, state, train_it, config_dict, extra=task.extra_state())
 
-  skipped = 0
-
   def flush(pending):
-    nonlocal last_time, skipped
+    nonlocal last_time
     step, dev_metrics, tokens, records = pending
     m = to_host(dev_metrics)
     if m.get("train/nonfinite", 0.0) > 0:
@@ -267,9 +265,8 @@ def run(cfg: RunConfig, task: Task) -> dict:
         ckpt.wait()
         names = [source.where(i) for i in records]
         raise NonFiniteError(nonfinite_message(step, m, names, ckpt.directory, ckpt.latest_step()))
-      skipped += 1
-      writer.print(f"step {step}: non-finite loss or gradient; update skipped ({skipped} so far)")
-    m["train/skipped_nonfinite"] = skipped
+      writer.print(f"step {step}: non-finite loss or gradient; update skipped "
+                   f"({int(m['train/skipped_nonfinite'])} so far)")
     now = time.perf_counter()
     elapsed, last_time = now - last_time, now
     m["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)

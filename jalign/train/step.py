@@ -5,8 +5,9 @@ summed over the whole global batch (all micro-batches and data-parallel shards),
 parallelism give the same update as one big batch.
 
 A non-finite loss or gradient norm is caught in the step itself: the update is not applied (parameters and
-optimizer state stay as they were) and `train/nonfinite` is 1, read back with the other metrics (no extra host
-sync). The loop then skips on or stops (`train.nonfinite`).
+optimizer state stay as they were), `train/nonfinite` is 1 and the state's `skipped` count (checkpointed, reported
+as `train/skipped_nonfinite`) goes up, read back with the other metrics (no extra host sync). The loop then skips
+on or stops (`train.nonfinite`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  skipped: jax.Array  # updates not applied because the loss or gradient was non-finite (checkpointed with the rest)
+
+  @staticmethod
+  def begin(params: Any, opt_state: Any, rep) -> "TrainState":
+    """Step 0, nothing skipped; `rep` is the replicated sharding of the two scalars."""
+    zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), rep)  # noqa: E731
+    return TrainState(zero(), params, opt_state, zero())
 
 
 LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, dict]]
@@ -70,11 +78,12 @@ def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_sched
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     params = jax.tree.map(keep, params, state.params)
     opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    skipped = state.skipped + (~finite).astype(jnp.int32)
     metrics = {"train/loss": loss_sum / denom, "train/grad_norm": grad_norm,
-               "train/nonfinite": 1.0 - finite.astype(jnp.float32),
+               "train/nonfinite": 1.0 - finite.astype(jnp.float32), "train/skipped_nonfinite": skipped,
                "train/lr": lr_schedule(state.step), "train/weight": weight,
                **{k: v / denom for k, v in sums.items()}}
-    return TrainState(state.step + 1, params, opt_state), metrics
+    return TrainState(state.step + 1, params, opt_state, skipped), metrics
 
   return step
 

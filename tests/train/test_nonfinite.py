@@ -1,6 +1,6 @@
 """Numerical faults: a diverging run (absurd learning rate) is caught in the step. With train.nonfinite='stop' it
 exits naming the step, the batch's source records and the last good checkpoint; with 'skip' it never applies a
-non-finite update, counts the skipped steps and ends with finite weights. Also the step itself, in isolation."""
+non-finite update, counts the skipped steps (the count survives a resume) and ends with finite weights. Also the step itself, in isolation."""
 import json
 import os
 import re
@@ -48,17 +48,39 @@ def test_divergence_with_skip_counts_and_never_applies_a_nonfinite_update(tmp_pa
   assert counts[0] == 0 and counts[-1] >= 1 and counts == sorted(counts)
   weights = load_file(str(tmp_path / "r" / "hf" / "model.safetensors"))
   assert all(np.all(np.isfinite(w)) for w in weights.values())
+  # The count is part of the checkpoint: two more steps resumed from step 6 carry on from it.
+  more = _run(tmp_path / "r", "--config.train.nonfinite=skip", "--config.train.log_every=1", "--config.train.steps=8")
+  assert more.returncode == 0 and "resumed from" in more.stdout + more.stderr, more.stderr[-2000:]
+  rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+  resumed = [r["train/skipped_nonfinite"] for r in rows if "train/skipped_nonfinite" in r][len(counts):]
+  assert len(resumed) == 2 and resumed[0] >= counts[-1] >= 2 and resumed == sorted(resumed), (counts, resumed)
 
 
 def test_step_keeps_params_and_optimizer_state_on_a_nan_batch():
   params = {"w": jnp.ones((3,))}
   loss_fn = lambda p, b: (jnp.sum(p["w"] * b["x"]), jnp.asarray(1.0), {})  # noqa: E731
   optimizer = optax.adam(0.1)
-  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
   step = jax.jit(make_step(loss_fn, optimizer, lambda s: 0.1, 1))
   good, m = step(state, {"x": jnp.ones((1, 3))})
   assert float(m["train/nonfinite"]) == 0.0 and not np.allclose(good.params["w"], 1.0)
+  assert int(good.skipped) == 0 and int(m["train/skipped_nonfinite"]) == 0
   bad, m = step(good, {"x": jnp.asarray([[1.0, np.nan, 1.0]])})
-  assert float(m["train/nonfinite"]) == 1.0
+  assert float(m["train/nonfinite"]) == 1.0 and int(bad.skipped) == 1 and int(m["train/skipped_nonfinite"]) == 1
   for a, b in zip(jax.tree.leaves((bad.params, bad.opt_state)), jax.tree.leaves((good.params, good.opt_state))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_grpo_divergence_with_skip_counts_updates_and_keeps_finite_weights(tmp_path):
+  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={tmp_path}",
+         "--config.log.progress=False", "--config.train.steps=3", "--config.optim.lr=1e35",
+         "--config.optim.schedule=constant", "--config.grpo.eval_examples=0", "--config.train.nonfinite=skip",
+         "--config.train.log_every=1"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert "non-finite loss or gradient; update(s) skipped (1 so far)" in proc.stdout
+  counts = [json.loads(line).get("train/skipped_nonfinite") for line in open(tmp_path / "metrics.jsonl")]
+  counts = [c for c in counts if c is not None]
+  assert counts[-1] >= 1 and counts == sorted(counts), counts
+  weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+  assert all(np.all(np.isfinite(w)) for w in weights.values())
