@@ -45,7 +45,8 @@ def get_config(arg=None):
       ref_model_sync_steps=512, eval_prompts="synthetic:arith:test", eval_examples=500, eval_max_new_tokens=16))
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),)))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2, resume=True, export_hf=True, async_save=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2, resume=True, export_hf=True, async_save=True,
+                                              preempt_grace_s=30.0))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
   c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))

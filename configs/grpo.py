@@ -45,7 +45,8 @@ def get_config(arg=None):
       entropy_coef=0.0, dynamic_sampling=True, eval_prompts="synthetic:arith:test", eval_examples=500,
       max_kl=0.0, max_kl_action="stop", kl_lr_factor=0.5, entropy_floor=0.01))
   c.grpo.clip_c = ml_collections.config_dict.placeholder(float)
-  c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=2, resume=True, export_hf=True, async_save=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=2, resume=True, export_hf=True, async_save=True,
+                                              preempt_grace_s=30.0))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
   c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))

@@ -37,7 +37,8 @@ def get_config(arg=None):
       clip_norm=1.0))
   c.rm = ml_collections.ConfigDict(dict(head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=200, keep=2, resume=True, export_hf=True, async_save=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=200, keep=2, resume=True, export_hf=True, async_save=True,
+                                              preempt_grace_s=30.0))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
   c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))

@@ -37,7 +37,8 @@ def get_config(arg=None):
       lr=3e-3, schedule="cosine", warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.01, b1=0.9, b2=0.98, eps=1e-8,
       clip_norm=1.0))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, resume=True, export_hf=True, async_save=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, resume=True, export_hf=True, async_save=True,
+                                              preempt_grace_s=30.0))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
   c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))

@@ -94,6 +94,8 @@ class CheckpointSection:
   resume: bool = True                  # continue from the newest complete checkpoint in run_dir
   export_hf: bool = True               # write an HF checkpoint to run_dir/hf at the end
   async_save: bool = True
+  preempt_grace_s: float = 30.0        # after SIGTERM: save within this long or exit 143 anyway (spot VMs and
+                                       # Kubernetes give 30 s before SIGKILL); 0 = no limit
 
 
 @dataclasses.dataclass(frozen=True)

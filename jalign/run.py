@@ -69,6 +69,7 @@ def main(argv):
   if _CONFIG.value is None:
     raise app.UsageError("--config=configs/<task>.py is required")
   from jalign.train.loop import NonFiniteError
+  from jalign.train.preemption import EXIT_CODE, Preempted
   is_pipeline = _CONFIG.value.get("task") == "pipeline"
   try:  # the multi-process runtime first: the device count below is the global one
     section = to_dataclass(DistributedSection, _CONFIG.value.get("distributed", {}), "config.distributed")
@@ -84,6 +85,10 @@ def main(argv):
     final = pipeline.run(_CONFIG.value, jax.device_count()) if is_pipeline else TASKS[cfg.task](cfg)
   except NonFiniteError as e:
     raise SystemExit(f"stopped: {e}") from None
+  except Preempted as e:  # a distinct status, so supervisors restart it; the same command resumes
+    print(f"preempted: {e}; exit status {EXIT_CODE}", flush=True)
+    distributed.shutdown()
+    raise SystemExit(EXIT_CODE) from None
   if not is_pipeline and cfg.task not in ("eval", "rollout") and distributed.is_main():
     from jalign.eval import report
     print(f"report: {report.build(cfg.run_dir)}", flush=True)

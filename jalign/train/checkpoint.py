@@ -31,6 +31,12 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def newest_complete(self) -> str:
+    """The newest finalised step's directory, read from the file system only (safe from any thread; Orbax renames
+    a step's directory to its number once every file is written)."""
+    steps = [int(n) for n in os.listdir(self.directory) if n.isdigit()] if os.path.isdir(self.directory) else []
+    return os.path.join(self.directory, str(max(steps))) if steps else "none yet"
+
   def latest_intact_step(self) -> int | None:
     """The newest step whose files match their checksums (or that has none); damaged ones are reported and moved
     aside to `<step>.damaged`."""

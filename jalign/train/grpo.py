@@ -34,6 +34,7 @@ from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.critic import Critic
 from jalign.train.metrics import MetricsWriter
+from jalign.train.preemption import Preempted, Preemption
 from jalign.train.step import make_step
 
 
@@ -184,7 +185,7 @@ def run(cfg: RunConfig) -> dict:
   policy = lambda st: nnx.merge(graphdef, full(st.params))
   monitors = Monitors(entropy_floor=g.entropy_floor)
 
-  with jax.set_mesh(mesh):
+  with Preemption(cfg.checkpoint.preempt_grace_s, ckpt.newest_complete) as preempt, jax.set_mesh(mesh):
     initial_acc = None
     if eval_prompts:
       on_device = parallel.in_memory(reference, "device") if cfg.model.offload_reference else reference
@@ -304,6 +305,14 @@ def run(cfg: RunConfig) -> dict:
         writer.print(f"stopping at step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds "
                      f"grpo.max_kl={g.max_kl}; checkpoint saved")
         break
+      if preempt.should_stop(step + 1) and step + 1 < cfg.train.steps:
+        if not (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):  # else saved just above
+          ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
+        ckpt.close()
+        preempt.saved()
+        writer.print(f"SIGTERM: saved step {step + 1} to {ckpt.directory}; exiting")
+        writer.close()
+        raise Preempted(f"saved step {step + 1} to {ckpt.directory}")
     else:
       if latest is None or latest < cfg.train.steps:
         ckpt.save(cfg.train.steps, state, prompts_it, as_dict(cfg), extra=extra_state())

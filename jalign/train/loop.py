@@ -1,14 +1,14 @@
 """The training loop shared by every objective: model and data on the mesh, jitted step, checkpoints, metrics.
 
 Step N+1 is dispatched before step N's metrics are read back, so the host never waits on the device just to log.
-SIGTERM (how Cloud TPU spot VMs and Kubernetes preempt) finishes the current step, saves and exits cleanly.
+SIGTERM (how Cloud TPU spot VMs and Kubernetes preempt) finishes the current step, saves it and stops with
+`preemption.Preempted` (exit status 143); see jalign/train/preemption.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
-import signal
 import time
 from typing import Any, Callable
 
@@ -25,6 +25,7 @@ from jalign.data.sources import open_source
 from jalign.train import optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_host
+from jalign.train.preemption import Preempted, Preemption
 from jalign.train.step import TrainState, make_step
 
 
@@ -149,31 +150,6 @@ def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, t
   return iter(ds), counters, source
 
 
-class _Preemption:
-  """Turns SIGTERM into a flag checked between steps."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def __enter__(self):
-    if threading_main():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
-def threading_main() -> bool:
-  import threading
-  return threading.current_thread() is threading.main_thread()
-
-
 def global_batch(local: dict, sharding) -> dict:
   """Device arrays of a process-local batch; the host-only `record` provenance stays behind."""
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()
@@ -280,7 +256,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
     writer.advance()
     return m
 
-  with _Preemption() as preempt, jax.set_mesh(mesh):
+  with Preemption(cfg.checkpoint.preempt_grace_s, ckpt.newest_complete) as preempt, jax.set_mesh(mesh):
     step = start
     while step < cfg.train.steps:
       local = next(train_it)
@@ -297,14 +273,15 @@ def run(cfg: RunConfig, task: Task) -> dict:
         save(step)
       if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
         evaluate_now(step, s.full(state.params))
-      if preempt.requested:
-        final = flush(pending)
-        pending = None
-        save(step)
+      if preempt.should_stop(step) and step < cfg.train.steps:
+        flush(pending)
+        if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):  # else saved just above
+          save(step)
         ckpt.close()
+        preempt.saved()
         writer.print(f"SIGTERM: saved step {step} to {ckpt.directory}; exiting")
         writer.close()
-        return {**final, "preempted": 1.0}
+        raise Preempted(f"saved step {step} to {ckpt.directory}")
     if pending is not None:
       final = flush(pending)
     if start < cfg.train.steps or latest is None:

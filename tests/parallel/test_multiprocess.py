@@ -4,9 +4,11 @@ processes -> 1 and 1 -> 2). The 1-process runs use 4 of this test process's 8 fa
 ('fsdp' = 4) in both layouts."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,6 +33,13 @@ def _flag(key: str, value) -> str:
 
 
 def _two_processes(task: str, run_dir: str, **overrides) -> None:
+  procs = _start_two(task, run_dir, **overrides)
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
+
+
+def _start_two(task: str, run_dir: str, **overrides) -> list[subprocess.Popen]:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -42,9 +51,7 @@ def _two_processes(task: str, run_dir: str, **overrides) -> None:
        f"--config.distributed.coordinator_address=127.0.0.1:{port}", "--config.distributed.num_processes=2",
        f"--config.distributed.process_id={i}", "--config.distributed.cpu_devices=2"],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=600)[0] for p in procs]
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
+  return procs
 
 
 def _one_process(task: str, run_dir: str, **overrides) -> dict:
@@ -103,3 +110,22 @@ def test_dpo_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   _two_processes(task, str(tmp_path / "two"), **settings)
   _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), keys, steps=(1, 2), rtol=1e-4)
   _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
+  """Only process 1 gets the preemption notice; JAX's preemption service tells process 0, both save the same step
+  (one checkpoint, written together) and exit 143."""
+  run_dir = str(tmp_path / "run")
+  procs = _start_two("sft", run_dir, train__steps=100000, train__log_every=1, checkpoint__every=0,
+                     checkpoint__export_hf=False)
+  metrics, deadline = os.path.join(run_dir, "metrics.jsonl"), time.time() + 300
+  while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+    assert all(p.poll() is None for p in procs) and time.time() < deadline, "no step logged"
+    time.sleep(0.2)
+  procs[1].send_signal(signal.SIGTERM)
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [143, 143], outs[0][-3000:] + outs[1][-3000:]
+  step = int(outs[0].split("SIGTERM: saved step ")[1].split()[0])
+  assert 0 < step < 100000
+  assert sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit()) == [step]

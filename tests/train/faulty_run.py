@@ -1,12 +1,22 @@
-"""`python -m jalign.run` with a SIGKILL injected at a chosen point, for crash/resume tests.
+"""`python -m jalign.run` with a fault injected at a chosen point, for crash/resume tests.
 
-Environment: KILL_AFTER_SAVE=k (once checkpoint k is complete), KILL_DURING_SAVE=k (right after checkpoint k is
-started, before it is finalised), KILL_AT_BATCH=n (after the n-th training batch is dispatched), KILL_AT_PART=n
-(when a rollout is about to write buffer part n). KILL_RUN_DIR=text limits the checkpoint kills to checkpoint
-directories containing `text` (one stage of a pipeline).
+Environment:
+  KILL_AFTER_SAVE=k    SIGKILL once checkpoint k is complete
+  KILL_DURING_SAVE=k   SIGKILL right after checkpoint k is started, before it is finalised
+  KILL_AT_BATCH=n      SIGKILL after the n-th training batch is placed on the devices
+  KILL_AFTER_S=x       SIGKILL x seconds after the first training batch is placed (anywhere: mid-step, mid-save,
+                       during an evaluation or the export)
+  KILL_AT_PART=n       SIGKILL when a rollout is about to write buffer part n
+  KILL_RUN_DIR=text    limits the checkpoint kills to checkpoint directories containing `text` (a pipeline stage)
+  TERM_AT_BATCH=n      SIGTERM (a preemption notice) to itself when the n-th training batch is placed
+  SLOW_SAVE=k:x        the save of checkpoint k first waits x seconds (a slow file system)
+  TIME_FILE=path       writes the seconds from the first training batch to a normal exit there
 """
+import atexit
 import os
 import signal
+import threading
+import time
 
 from absl import app
 
@@ -20,13 +30,15 @@ def _die():
 
 
 def main():
-  after, during = os.environ.get("KILL_AFTER_SAVE"), os.environ.get("KILL_DURING_SAVE")
-  at_batch = os.environ.get("KILL_AT_BATCH")
+  env = os.environ.get
+  after, during, slow = env("KILL_AFTER_SAVE"), env("KILL_DURING_SAVE"), env("SLOW_SAVE")
   save = checkpoint.Checkpointer.save
 
   def faulty_save(self, step, *args, **kwargs):
+    if slow and step == int(slow.split(":")[0]):
+      time.sleep(float(slow.split(":")[1]))
     save(self, step, *args, **kwargs)
-    if os.environ.get("KILL_RUN_DIR", "") not in self.directory:
+    if env("KILL_RUN_DIR", "") not in self.directory:
       return
     if during and step == int(during):
       _die()
@@ -35,20 +47,34 @@ def main():
       _die()
 
   checkpoint.Checkpointer.save = faulty_save
-  if at_batch:  # batches placed on the devices: by the shared loop, or (rollouts held whole) by GRPO / PPO
-    calls = {"n": 0}
 
-    def counting(real):
-      def wrapped(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > int(at_batch):
-          _die()
-        return real(*args, **kwargs)
-      return wrapped
+  # Batches placed on the devices: by the shared loop, or (rollouts held whole) by GRPO / PPO.
+  at_batch, term_at, kill_after, time_file = env("KILL_AT_BATCH"), env("TERM_AT_BATCH"), env("KILL_AFTER_S"), \
+      env("TIME_FILE")
+  calls = {"n": 0}
 
-    loop.global_batch = counting(loop.global_batch)
-    loop.global_from_full = counting(loop.global_from_full)
-  at_part = os.environ.get("KILL_AT_PART")
+  def on_batch():
+    calls["n"] += 1
+    if calls["n"] == 1:
+      first = time.perf_counter()
+      if kill_after:
+        threading.Timer(float(kill_after), _die).start()
+      if time_file:
+        atexit.register(lambda: open(time_file, "w").write(str(time.perf_counter() - first)))
+    if at_batch and calls["n"] > int(at_batch):
+      _die()
+    if term_at and calls["n"] == int(term_at):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def counting(real):
+    def wrapped(*args, **kwargs):
+      on_batch()
+      return real(*args, **kwargs)
+    return wrapped
+
+  loop.global_batch = counting(loop.global_batch)
+  loop.global_from_full = counting(loop.global_from_full)
+  at_part = env("KILL_AT_PART")
   if at_part:
     write = buffer.BufferWriter.write
 

@@ -1,6 +1,7 @@
 """Numerical faults: a diverging run (absurd learning rate) is caught in the step. With train.nonfinite='stop' it
 exits naming the step, the batch's source records and the last good checkpoint; with 'skip' it never applies a
-non-finite update, counts the skipped steps (the count survives a resume) and ends with finite weights. Also the step itself, in isolation."""
+non-finite update, counts the skipped steps (the count survives a resume) and ends with finite weights (SFT and
+GRPO). Also the step itself, in isolation."""
 import json
 import os
 import re

@@ -59,7 +59,7 @@ def test_restore_onto_a_different_mesh(uninterrupted, tmp_path):
     np.testing.assert_allclose(a[name], b[name], atol=1e-5, err_msg=name)
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_and_exits_143(tmp_path):
   run_dir = str(tmp_path / "run")
   cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py:tiny", f"--config.run_dir={run_dir}",
          "--config.train.steps=100000", "--config.checkpoint.every=0", "--config.log.progress=False",
@@ -72,7 +72,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     time.sleep(0.2)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0, out[-3000:]
+  assert proc.returncode == 143, out[-3000:]  # 128 + SIGTERM: supervisors restart it; the same command resumes
   assert "SIGTERM: saved step" in out
   step = int(out.split("SIGTERM: saved step ")[1].split()[0])
   assert 0 < step < 100000
@@ -104,3 +104,20 @@ def test_a_damaged_checkpoint_is_detected_and_passed_over(uninterrupted, tmp_pat
   assert "does not match its checksum" in proc.stderr
   assert os.path.isdir(newest + ".damaged")
   assert hf_weights(run_dir) == hf_weights(uninterrupted)
+
+
+def test_a_save_slower_than_the_grace_period_exits_143_naming_the_last_complete_checkpoint(tmp_path):
+  """SIGTERM at batch 6, then a save that would take 60 s: after checkpoint.preempt_grace_s=2 the process says which
+  checkpoint is the newest complete one and exits 143 itself; rerunning resumes from that one (step 4)."""
+  run_dir = str(tmp_path / "run")
+  started = time.time()
+  proc = run_faulty("sft", run_dir, "--config.checkpoint.every=4", "--config.checkpoint.async_save=False",
+                    "--config.checkpoint.preempt_grace_s=2", "--config.train.steps=8",
+                    env={"TERM_AT_BATCH": "6", "SLOW_SAVE": "6:60"}, check=False)
+  assert proc.returncode == 143, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert time.time() - started < 60  # did not wait for the slow save
+  newest = os.path.join(run_dir, "checkpoints", "4")
+  assert f"checkpoint.preempt_grace_s=2 s ran out before the checkpoint was written; exiting with status 143. " \
+         f"The newest complete checkpoint is {newest}" in proc.stderr, proc.stderr[-2000:]
+  resumed = run_faulty("sft", run_dir, "--config.checkpoint.every=4", "--config.train.steps=8")
+  assert f"resumed from {os.path.join(run_dir, 'checkpoints')}/4" in resumed.stdout + resumed.stderr
