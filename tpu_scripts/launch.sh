@@ -6,7 +6,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 usage() {
   cat <<USAGE
 Usage: tpu_scripts/launch.sh --name=NAME --zone=ZONE --config=configs/TASK.py[:ARG] [--run-dir=DIR]
-                             [--project=PROJECT] [--dry-run] [-- --config.KEY=VALUE ...]
+                             [--max-restarts=N] [--project=PROJECT] [--dry-run] [-- --config.KEY=VALUE ...]
 
 Starts the same command on every worker (one jalign process per host; they join through jax.distributed, which
 finds the slice's workers by itself: distributed.coordinator_address=auto). Output goes to ~/jalign/logs/run.log on
@@ -14,14 +14,20 @@ each worker; follow it with tpu_scripts/status.sh and fetch it with tpu_scripts/
 jalign.run unchanged. On a multi-host slice, --run-dir must be a directory every worker sees (e.g. ~/gcs/runs/x
 after setup.sh --mount=BUCKET): all workers write one checkpoint directory.
 
+Each worker runs jalign under tpu_scripts/worker_loop.sh, which starts it again after a preemption notice (jalign
+saves on SIGTERM and exits 143) or a kill, resuming from the newest complete checkpoint. When the slice itself is
+preempted (spot), tpu_scripts/supervise.sh recreates it and launches again.
+
   --config=FILE[:ARG]  a config of the jalign checkout on the workers, e.g. configs/grpo.py
   --run-dir=DIR        default: runs/NAME under ~/jalign
+  --max-restarts=N     restarts per worker after a preemption or kill (default 3)
 $COMMON_HELP
 USAGE
 }
 
 CONFIG=""
 RUN_DIR=""
+MAX_RESTARTS=3
 EXTRA=()
 parse_common "$@"
 after_dashes=0
@@ -33,16 +39,18 @@ for arg in "${ARGS[@]+"${ARGS[@]}"}"; do
   case "$arg" in
     --config=*) CONFIG="${arg#*=}" ;;
     --run-dir=*) RUN_DIR="${arg#*=}" ;;
+    --max-restarts=*) MAX_RESTARTS="${arg#*=}" ;;
     --) after_dashes=1 ;;
-    *) unknown "$arg" "--config, --run-dir, -- (then jalign.run flags)" ;;
+    *) unknown "$arg" "--config, --run-dir, --max-restarts, -- (then jalign.run flags)" ;;
   esac
 done
 [[ -n "$CONFIG" ]] || die "--config is required, e.g. --config=configs/grpo.py"
 RUN_DIR="${RUN_DIR:-runs/$NAME}"
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts=$MAX_RESTARTS: a number of restarts"
 
 flags=(--config="$CONFIG" --config.run_dir="$RUN_DIR" --config.distributed.coordinator_address=auto
   --config.log.progress=False "${EXTRA[@]+"${EXTRA[@]}"}")
 quoted=$(printf '%q ' "${flags[@]}")
-# '[p]ython3' matches a running jalign but not this very command line.
-on_workers "cd jalign && mkdir -p logs && if pgrep -f '[p]ython3 -m jalign.run' >/dev/null; then echo \"jalign.run is already running on \$(hostname)\"; exit 1; fi; setsid nohup python3 -m jalign.run ${quoted}> logs/run.log 2>&1 < /dev/null & echo \"started on \$(hostname)\""
+# '[p]ython3' / '[w]orker_loop' match a running jalign but not this very command line.
+on_workers "cd jalign && mkdir -p logs && if pgrep -f '[p]ython3 -m jalign.run|[w]orker_loop.sh' >/dev/null; then echo \"jalign.run is already running on \$(hostname)\"; exit 1; fi; setsid nohup bash tpu_scripts/worker_loop.sh $MAX_RESTARTS ${quoted}> logs/run.log 2>&1 < /dev/null & echo \"started on \$(hostname)\""
 echo "next: tpu_scripts/status.sh --name=$NAME --zone=$ZONE"
