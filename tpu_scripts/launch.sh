@@ -51,6 +51,6 @@ RUN_DIR="${RUN_DIR:-runs/$NAME}"
 flags=(--config="$CONFIG" --config.run_dir="$RUN_DIR" --config.distributed.coordinator_address=auto
   --config.log.progress=False "${EXTRA[@]+"${EXTRA[@]}"}")
 quoted=$(printf '%q ' "${flags[@]}")
-# '[p]ython3' / '[w]orker_loop' match a running jalign but not this very command line.
-on_workers "cd jalign && mkdir -p logs && if pgrep -f '[p]ython3 -m jalign.run|[w]orker_loop.sh' >/dev/null; then echo \"jalign.run is already running on \$(hostname)\"; exit 1; fi; setsid nohup bash tpu_scripts/worker_loop.sh $MAX_RESTARTS ${quoted}> logs/run.log 2>&1 < /dev/null & echo \"started on \$(hostname)\""
+# logs/run.pid: the worker loop of a run already going there (a pattern search would also match this very command).
+on_workers "cd jalign && mkdir -p logs && if test -f logs/run.pid && kill -0 \$(cat logs/run.pid) 2>/dev/null; then echo \"jalign.run is already running on \$(hostname)\"; exit 1; fi; setsid nohup bash tpu_scripts/worker_loop.sh $MAX_RESTARTS ${quoted}> logs/run.log 2>&1 < /dev/null & echo \"started on \$(hostname)\""
 echo "next: tpu_scripts/status.sh --name=$NAME --zone=$ZONE"

@@ -29,4 +29,4 @@ if [[ "$QUEUED" == 1 ]]; then
   run gcloud compute tpus queued-resources describe "$NAME" "${SCOPE[@]}" --format="value(state.state)"
 fi
 run gcloud compute tpus tpu-vm describe "$NAME" "${SCOPE[@]}" --format="value(state,health,acceleratorType)"
-on_workers "echo \"== \$(hostname): \$(pgrep -f '[p]ython3 -m jalign.run' >/dev/null && echo running || echo not running)\$(test -f jalign/logs/exit_status && echo \", ended with status \$(cat jalign/logs/exit_status)\")\"; tail -n $LINES jalign/logs/run.log 2>/dev/null || echo '(no log yet)'"
+on_workers "echo \"== \$(hostname): \$(test -f jalign/logs/run.pid && kill -0 \$(cat jalign/logs/run.pid) 2>/dev/null && echo running || echo not running)\$(test -f jalign/logs/exit_status && echo \", ended with status \$(cat jalign/logs/exit_status)\")\"; tail -n $LINES jalign/logs/run.log 2>/dev/null || echo '(no log yet)'"
