@@ -3,7 +3,8 @@ whose global mesh spans every process's devices. The same program runs on one CP
 
 How a process learns its place, first match wins:
 1. `distributed.coordinator_address` (host:port of process 0), `num_processes` and `process_id` in the config;
-   or `coordinator_address="auto"`: JAX's own detection of the cluster (what tpu_scripts/launch.sh passes);
+   or `coordinator_address="auto"`: JAX's own detection of the cluster (what tpu_scripts/launch.sh passes; where
+   JAX finds none, e.g. on a plain VM, one process);
 2. the environment of a cluster JAX recognises: Cloud TPU pod slices (`TPU_WORKER_HOSTNAMES` lists several
    workers), SLURM (`SLURM_NTASKS` > 1), Open MPI (`OMPI_COMM_WORLD_SIZE` > 1), or `JAX_COORDINATOR_ADDRESS` set
    (with `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`: Kubernetes and hand-rolled launchers); JAX's own cluster
@@ -60,7 +61,14 @@ def initialize(section: DistributedSection) -> bool:
   if _started:
     return True
   if section.coordinator_address == "auto":
-    jax.distributed.initialize(initialization_timeout=section.timeout_s)
+    try:
+      jax.distributed.initialize(initialization_timeout=section.timeout_s)
+    except ValueError as e:  # JAX found no cluster (e.g. a plain VM): one process, as a launcher's default allows
+      if cluster_environment() is not None:
+        raise
+      print(f"distributed.coordinator_address=auto: no cluster detected ({e}); running as a single process",
+            flush=True)
+      return False
   elif section.coordinator_address:
     if section.num_processes < 1 or not 0 <= section.process_id < section.num_processes:
       raise ValueError(f"distributed.coordinator_address={section.coordinator_address!r} needs num_processes >= 1 "
