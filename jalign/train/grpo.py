@@ -124,6 +124,9 @@ def run(cfg: RunConfig) -> dict:
                                       global_rows=rows // g.mini_batches)
   batch_sharding = parallel.batch_sharding(mesh)
   rep = parallel.replicated(mesh)
+  # A mini-batch's rows, taken in one compiled program: eager indexing of a global array runs several small
+  # programs per column, and two processes could enter them in different orders and wait on each other.
+  take_rows = jax.jit(lambda batch, rows_R: jax.tree.map(lambda v: v[rows_R], batch), out_shardings=batch_sharding)
   loss_fn = objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options())
 
   def build_update(lr_scale: float):
@@ -249,7 +252,7 @@ def run(cfg: RunConfig) -> dict:
       for epoch in range(g.ppo_epochs):
         order = np.asarray(jax.random.permutation(jax.random.fold_in(order_key, epoch), rows))
         for chunk in np.split(order, g.mini_batches):
-          mb = jax.device_put({k: v[jnp.asarray(chunk)] for k, v in device_batch.items()}, batch_sharding)
+          mb = take_rows(device_batch, jax.device_put(np.asarray(chunk, np.int32), rep))
           m = {}
           if critic is None or step >= g.critic_warmup:
             state, m = update(state, mb)
