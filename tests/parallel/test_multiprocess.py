@@ -34,7 +34,11 @@ def _flag(key: str, value) -> str:
 
 def _two_processes(task: str, run_dir: str, **overrides) -> None:
   procs = _start_two(task, run_dir, **overrides)
-  outs = [p.communicate(timeout=600)[0] for p in procs]
+  try:
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+  finally:  # a hung pair must not outlive the test
+    for p in procs:
+      p.kill()
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
 
@@ -124,7 +128,11 @@ def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
     assert all(p.poll() is None for p in procs) and time.time() < deadline, "no step logged"
     time.sleep(0.2)
   procs[1].send_signal(signal.SIGTERM)
-  outs = [p.communicate(timeout=300)[0] for p in procs]
+  try:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
   assert [p.returncode for p in procs] == [143, 143], outs[0][-3000:] + outs[1][-3000:]
   step = int(outs[0].split("SIGTERM: saved step ")[1].split()[0])
   assert 0 < step < 100000
