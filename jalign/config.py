@@ -181,6 +181,8 @@ class GrpoSection:
   value_clip: float = 0.5              # gae: clip of the value update around the rollout values (verl)
   critic_warmup: int = 0               # gae: first steps update only the critic (verl trainer.critic_warmup)
   dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal
+  share_prompts: bool = True           # with one mini-batch: each prompt runs through the model once per group in
+                                       # the update (its keys/values shared by the group's samples); not with remat
   eval_prompts: str = ""               # held-out prompts for greedy accuracy; "" = none
   eval_examples: int = 500
   max_kl: float = 0.0                  # bound on the mean KL to the reference; 0 = off

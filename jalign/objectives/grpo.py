@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jalign import kernels
+from jalign.models.decoder import KVCache
 from jalign.losses import policy
 
 
@@ -30,25 +31,51 @@ class GrpoLossConfig:
   entropy_coef: float = 0.0
   temperature: float = 1.0
   global_rows: int = 0               # rows per optimizer step (for seq-mean-token-sum-norm)
+  group_size: int = 0                # > 1: rows come in groups of this many samples of one prompt (see below)
 
 
 def response_logprobs(graphdef, params, batch: dict, temperature: float,
-                      logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
-  """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`."""
+                      logprobs: kernels.LogprobOptions = kernels.LogprobOptions(), group_size: int = 0):
+  """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`.
+
+  `group_size` > 1: rows i*g .. i*g+g-1 share one prompt (as sampled: each prompt's samples in a row). The prompt
+  then runs through the model once per group and its keys/values are repeated over the group's responses, which
+  run on top of them as on a decoding cache: the same values (up to rounding) for a fraction of the work when
+  prompts are long next to responses. Not with LoRA dropout or remat (the cached path runs neither)."""
   lm = nnx.merge(graphdef, params)
-  hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                         dropout_rng=batch.get("dropout_rng"))
   r = batch["response"].shape[1]
   p = batch["tokens"].shape[1] - r
-  logp, entropy, _ = kernels.token_logprobs(hidden[:, p - 1:p + r - 1], lm.unembed(), batch["response"],
+  if group_size > 1 and batch.get("dropout_rng") is None and lm.cfg.remat == "none":
+    hidden = _shared_prompt_hidden(lm, batch, p, r, group_size)
+  else:
+    hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                           dropout_rng=batch.get("dropout_rng"))
+    hidden = hidden[:, p - 1:p + r - 1]
+  logp, entropy, _ = kernels.token_logprobs(hidden, lm.unembed(), batch["response"],
                                             temperature=temperature, softcap=lm.cfg.final_softcap,
                                             **logprobs.kwargs())
   return logp, entropy
 
 
+def _shared_prompt_hidden(lm, batch: dict, p: int, r: int, g: int) -> jax.Array:
+  """Hidden states [N, R, D] that predict the response tokens: the prompt's last one, then responses[:, :-1]."""
+  tokens, segment, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
+  cache = KVCache.init(lm.cfg, tokens.shape[0] // g, p + r - 1)
+  prompt_hidden, cache = lm.forward(tokens[::g, :p], segment_ids=segment[::g, :p], positions=positions[::g, :p],
+                                    cache=cache)
+  first = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)
+  if r == 1:
+    return first
+  repeat = lambda a: jnp.repeat(a, g, axis=0)  # noqa: E731
+  cache = KVCache(tuple(map(repeat, cache.k)), tuple(map(repeat, cache.v)), repeat(cache.segment_BxS), cache.index)
+  rest, _ = lm.forward(tokens[:, p:p + r - 1], segment_ids=segment[:, p:p + r - 1],
+                       positions=positions[:, p:p + r - 1], cache=cache)
+  return jnp.concatenate([first, rest], axis=1)
+
+
 def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   def loss_fn(params, batch):
-    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, logprobs)
+    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, logprobs, cfg.group_size)
     mask = batch["response_mask"].astype(jnp.float32)
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,

@@ -118,10 +118,12 @@ def run(cfg: RunConfig) -> dict:
                     for i in range(min(len(eval_source), g.eval_examples))]
 
   rows = g.prompts_per_step * s.num_samples
+  # One mini-batch keeps each prompt's samples together, in order: the update can run each prompt once per group.
+  group_size = s.num_samples if g.share_prompts and g.mini_batches == 1 else 0
   loss_cfg = objective.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode,
                                       agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
                                       entropy_coef=g.entropy_coef, temperature=s.temperature,
-                                      global_rows=rows // g.mini_batches)
+                                      global_rows=rows // g.mini_batches, group_size=group_size)
   batch_sharding = parallel.batch_sharding(mesh)
   rep = parallel.replicated(mesh)
   # A mini-batch's rows, taken in one compiled program: eager indexing of a global array runs several small
@@ -142,7 +144,7 @@ def run(cfg: RunConfig) -> dict:
   lr_scale = 1.0
   update = build_update(lr_scale)
   logprobs_fn = lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,  # noqa
-                                                                   cfg.logprobs.options())[0]
+                                                                   cfg.logprobs.options(), group_size)[0]
   logprobs = jax.jit(logprobs_fn)
   state = setup.state
   full = setup.full
@@ -250,9 +252,11 @@ def run(cfg: RunConfig) -> dict:
       sums: dict[str, float] = {}
       order_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
       for epoch in range(g.ppo_epochs):
-        order = np.asarray(jax.random.permutation(jax.random.fold_in(order_key, epoch), rows))
+        order = np.asarray(jax.random.permutation(jax.random.fold_in(order_key, epoch), rows)) \
+            if g.mini_batches > 1 else np.arange(rows)  # one mini-batch: the whole rollout, groups kept together
         for chunk in np.split(order, g.mini_batches):
-          mb = take_rows(device_batch, jax.device_put(np.asarray(chunk, np.int32), rep))
+          mb = device_batch if g.mini_batches == 1 else take_rows(device_batch,
+                                                                   jax.device_put(np.asarray(chunk, np.int32), rep))
           m = {}
           if critic is None or step >= g.critic_warmup:
             state, m = update(state, mb)

@@ -119,3 +119,44 @@ def test_kl_bound_can_lower_the_learning_rate_instead_of_stopping(tmp_path):
   lrs = [r["train/lr"] for r in rows if "actor/pg_loss" in r]
   assert lrs == pytest.approx([1e-4, 0.5e-4, 0.25e-4])
   assert [r["monitor/lr_scale"] for r in rows if "monitor/lr_scale" in r] == [0.5, 0.25, 0.125]
+
+
+@pytest.mark.parametrize("r", [1, 5])
+def test_shared_prompts_equal_the_full_forward(r):
+  """Groups of samples sharing a left-padded prompt: running each prompt once and its responses on the repeated
+  keys/values gives the full forward's log-probs, entropies, loss and gradients (padded prompts, ragged responses)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from jalign import models
+  from jalign.objectives import grpo
+
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=16)
+  graphdef, state = nnx.split(models.create(cfg, seed=0))
+  params = nnx.to_pure_dict(state)
+  rng = np.random.RandomState(1)
+  groups, g, p = 3, 4, 7
+  prompt_mask = (np.arange(p)[None] >= rng.randint(0, 4, (groups, 1))).astype(np.int32)  # left padding
+  prompt = rng.randint(1, 64, (groups, p)) * prompt_mask
+  lengths = rng.randint(1, r + 1, groups * g)
+  response_mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
+  response = rng.randint(1, 64, (groups * g, r)) * response_mask
+  segment = np.concatenate([np.repeat(prompt_mask, g, 0), response_mask], 1)
+  batch = {"tokens": jnp.asarray(np.concatenate([np.repeat(prompt, g, 0), response], 1), jnp.int32),
+           "segment_ids": jnp.asarray(segment), "positions": jnp.asarray(np.maximum(np.cumsum(segment, 1) - 1, 0)),
+           "response": jnp.asarray(response, jnp.int32), "response_mask": jnp.asarray(response_mask),
+           "advantages": jnp.asarray(rng.randn(groups * g, r), jnp.float32),
+           "ref_logp": jnp.asarray(-rng.rand(groups * g, r) * 4, jnp.float32)}
+  full = grpo.response_logprobs(graphdef, params, batch, 1.0)
+  shared = grpo.response_logprobs(graphdef, params, batch, 1.0, group_size=g)
+  mask = response_mask.astype(bool)
+  for a, b in zip(full, shared):
+    np.testing.assert_allclose(np.asarray(b)[mask], np.asarray(a)[mask], rtol=1e-5, atol=1e-6)
+  loss = lambda c: jax.value_and_grad(lambda prm: grpo.make_loss_fn(graphdef, c)(prm, batch)[0])(params)  # noqa
+  (la, ga), (lb, gb) = loss(grpo.GrpoLossConfig(kl_coef=0.1)), loss(grpo.GrpoLossConfig(kl_coef=0.1, group_size=g))
+  np.testing.assert_allclose(lb, la, rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-6)
