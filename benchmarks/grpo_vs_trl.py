@@ -100,10 +100,12 @@ def main():
     rows = jalign_seconds(path, args.steps)[1:]
     j_total = statistics.median(r["timing_s/step"] for r in rows)
     j_gen = statistics.median(r["timing_s/gen"] for r in rows)
+    j_update = statistics.median(r["timing_s/update"] for r in rows)
     t = trl_seconds(path, args.steps)[1:]
     t_total = statistics.median(t)
   print(f"GRPO step, {PROMPTS} prompts x {GENERATIONS} generations x <= {NEW_TOKENS} new tokens, CPU:")
-  print(f"  jalign        {j_total:6.2f} s/step  (generation {j_gen:.2f} s)")
+  print(f"  jalign        {j_total:6.2f} s/step  (generation {j_gen:.2f} s, update {j_update:.2f} s, between them "
+        f"{j_total - j_gen - j_update:.2f} s: batch, reference log-probs, advantages)")
   print(f"  TRL           {t_total:6.2f} s/step")
   print(f"  ratio TRL/jalign = {t_total / j_total:.2f}x")
 

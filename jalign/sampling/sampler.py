@@ -54,30 +54,32 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   pad = ((0, 0), (bucket - p, 0))
   ids = np.pad(prompt_ids, pad, constant_values=pad_id).astype(np.int32)
   mask = np.pad(prompt_mask, pad).astype(np.int32)
-  if num_samples > 1:
-    ids, mask = np.repeat(ids, num_samples, axis=0), np.repeat(mask, num_samples, axis=0)
   graphdef, params = nnx.split(lm)
   if mesh is not None and rules is not None:
     params = jax.device_put(params, state_shardings(lm, mesh, rules))
   run = _compiled(graphdef, max_new_tokens, float(temperature), int(top_k), float(top_p), float(min_p),
-                  tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype)
+                  tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype, int(num_samples))
   return run(params, jnp.asarray(ids), jnp.asarray(mask), rng)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, max_new, temperature, top_k, top_p, min_p, stop_ids, pad_id, cache_dtype):
+def _compiled(graphdef, max_new, temperature, top_k, top_p, min_p, stop_ids, pad_id, cache_dtype, num_samples):
   sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
   stop = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
   @jax.jit
-  def run(params, ids_NxP, mask_NxP, rng):
+  def run(params, ids_BxP, mask_BxP, rng):
     lm = nnx.merge(graphdef, params)
-    n, p = ids_NxP.shape
     layers = lm.layer_list()  # sliced once, not per token
-    cache = KVCache.init(lm.cfg, n, p + max_new, cache_dtype)
-    hidden, cache = lm.forward(ids_NxP, mask_NxP, cache=cache, layers=layers)
+    # Each prompt is prefilled once; its cache and last hidden state are repeated for its samples.
+    cache = KVCache.init(lm.cfg, ids_BxP.shape[0], ids_BxP.shape[1] + max_new, cache_dtype)
+    hidden, cache = lm.forward(ids_BxP, mask_BxP, cache=cache, layers=layers)
+    repeat = lambda a: jnp.repeat(a, num_samples, axis=0)  # noqa: E731
+    cache = KVCache(tuple(map(repeat, cache.k)), tuple(map(repeat, cache.v)), repeat(cache.segment_BxS), cache.index)
+    hidden, mask_NxP = repeat(hidden[:, -1:]), repeat(mask_BxP)
+    n = mask_NxP.shape[0]
     rng, key = jax.random.split(rng)
-    token, logp = sample(lm.logits(hidden[:, -1:])[:, 0], key)
+    token, logp = sample(lm.logits(hidden)[:, 0], key)
     next_pos = jnp.sum(mask_NxP, axis=1).astype(jnp.int32)  # position of the first new token
     out_tokens = jnp.full((n, max_new), pad_id, jnp.int32).at[:, 0].set(token)
     out_logp = jnp.zeros((n, max_new), jnp.float32).at[:, 0].set(logp)
