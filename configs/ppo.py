@@ -23,7 +23,10 @@ def get_config(arg=None):
   c = grpo.get_config(arg)
   c.task = "ppo"
   c.run_dir = "runs/ppo_tiny" if arg == "tiny" else "runs/ppo"
-  c.optim.lr = 5e-5
+  c.optim.update(lr=5e-5, schedule="constant", warmup_steps=0)
+  if arg != "tiny":  # the measured PPO recipe: 150 steps at a constant lr
+    c.train.update(steps=150, eval_every=50)
+    c.checkpoint.every = 50
   c.grpo.update(mini_batches=2, adv_estimator="gae", lam=0.95, critic_lr=1e-4, clip_high=0.2, kl_coef=0.01,
                 kl_kind="k1", kl_in_reward=True, dynamic_sampling=False)
   if arg == "tiny":
