@@ -59,7 +59,7 @@ def get_config(arg=None):
   if arg == "tiny":
     c.run_dir = "runs/grpo_tiny"
     c.train.update(steps=3, log_every=1, eval_every=0)
-    c.optim.warmup_steps = 0
+    c.optim.update(lr=1e-4, schedule="constant", warmup_steps=0)
     c.grpo.update(prompts_per_step=4, mini_batches=2, eval_examples=16)
     c.sampling.num_samples = 4
     c.checkpoint.every = 2

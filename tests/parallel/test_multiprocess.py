@@ -113,7 +113,9 @@ def test_dpo_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   _one_process(task, str(tmp_path / "one"), **settings)
   _two_processes(task, str(tmp_path / "two"), **settings)
   _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), keys, steps=(1, 2), rtol=1e-4)
-  _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=1e-5)
+  # Reductions over 2 x 2 devices round differently from 4 on one process; Adam divides a near-zero gradient entry
+  # by its own small magnitude, so such an entry can move by a fraction of lr (1e-4) either way.
+  _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=3e-5)
 
 
 @pytest.mark.slow
