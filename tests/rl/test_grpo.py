@@ -79,21 +79,27 @@ def test_offline_buffer_checks_group_sizes(tmp_path):
     OfflineBuffer(str(tmp_path), 3, 1)
 
 
+def _tiny_model():
+  """(graphdef, params) of a 2-layer random decoder over a 64-token vocabulary."""
+  from flax import nnx
+
+  from jalign import models
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=16)
+  graphdef, state = nnx.split(models.create(cfg, seed=0))
+  return graphdef, nnx.to_pure_dict(state)
+
+
 def test_on_policy_update_skips_the_old_policy_forward():
   """Without `old_logp`, the loss and gradients equal those with the old log-probs from a separate forward at the
   same parameters (the on-policy case: ratio 1)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from flax import nnx
 
-  from jalign import models
   from jalign.objectives import grpo
 
-  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                           num_kv_heads=1, head_dim=16)
-  graphdef, state = nnx.split(models.create(cfg, seed=0))
-  params = nnx.to_pure_dict(state)
+  graphdef, params = _tiny_model()
   rng = np.random.RandomState(0)
   n, p, r = 4, 6, 5
   batch = {"tokens": jnp.asarray(rng.randint(1, 64, (n, p + r)), jnp.int32),
@@ -128,15 +134,10 @@ def test_shared_prompts_equal_the_full_forward(r):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from flax import nnx
 
-  from jalign import models
   from jalign.objectives import grpo
 
-  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                           num_kv_heads=1, head_dim=16)
-  graphdef, state = nnx.split(models.create(cfg, seed=0))
-  params = nnx.to_pure_dict(state)
+  graphdef, params = _tiny_model()
   rng = np.random.RandomState(1)
   groups, g, p = 3, 4, 7
   prompt_mask = (np.arange(p)[None] >= rng.randint(0, 4, (groups, 1))).astype(np.int32)  # left padding
