@@ -28,7 +28,8 @@ USAGE
 
 CREATE=()
 SETUP=()
-LAUNCH=()
+LAUNCH=()   # launch.sh's own flags
+JALIGN=()   # after --: jalign.run's flags
 INTERVAL=60
 MAX_RECREATIONS=10
 RUN_DIR=""
@@ -36,7 +37,7 @@ parse_common "$@"
 after_dashes=0
 for arg in "${ARGS[@]+"${ARGS[@]}"}"; do
   if [[ "$after_dashes" == 1 ]]; then
-    LAUNCH+=("$arg")
+    JALIGN+=("$arg")
     continue
   fi
   case "$arg" in
@@ -63,18 +64,7 @@ BASE=(--name="$NAME" --zone="$ZONE")
 [[ "$QUEUED" == 1 ]] && BASE+=(--queued)
 [[ "$DRY_RUN" == 1 ]] && BASE+=(--dry-run)
 
-# launch.sh's own flags, then -- and the jalign.run flags (those given after --).
-launch_args() {
-  local own=() rest=() arg
-  for arg in "${LAUNCH[@]+"${LAUNCH[@]}"}"; do
-    case "$arg" in
-      --config=* | --run-dir=* | --max-restarts=*) own+=("$arg") ;;
-      *) rest+=("$arg") ;;
-    esac
-  done
-  printf '%s\0' "${own[@]+"${own[@]}"}" -- "${rest[@]+"${rest[@]}"}"
-}
-mapfile -d '' LAUNCH_ARGS < <(launch_args)
+LAUNCH_ARGS=("${LAUNCH[@]+"${LAUNCH[@]}"}" -- "${JALIGN[@]+"${JALIGN[@]}"}")
 
 script() {
   bash "$HERE/$1.sh" "${BASE[@]}" "${@:2}"

@@ -51,6 +51,11 @@ class KVCache:
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
     return cls(zeros(), zeros(), jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
 
+  def repeat(self, n: int) -> "KVCache":
+    """Each row's cache n times over (consecutive rows): one prompt's prefix shared by n samples."""
+    rep = lambda a: jnp.repeat(a, n, axis=0)  # noqa: E731
+    return KVCache(tuple(map(rep, self.k)), tuple(map(rep, self.v)), rep(self.segment_BxS), self.index)
+
   def num_bytes(self) -> int:
     return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v)) + self.segment_BxS.size * 4
 

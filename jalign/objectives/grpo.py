@@ -66,10 +66,8 @@ def _shared_prompt_hidden(lm, batch: dict, p: int, r: int, g: int) -> jax.Array:
   first = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)
   if r == 1:
     return first
-  repeat = lambda a: jnp.repeat(a, g, axis=0)  # noqa: E731
-  cache = KVCache(tuple(map(repeat, cache.k)), tuple(map(repeat, cache.v)), repeat(cache.segment_BxS), cache.index)
   rest, _ = lm.forward(tokens[:, p:p + r - 1], segment_ids=segment[:, p:p + r - 1],
-                       positions=positions[:, p:p + r - 1], cache=cache)
+                       positions=positions[:, p:p + r - 1], cache=cache.repeat(g))
   return jnp.concatenate([first, rest], axis=1)
 
 

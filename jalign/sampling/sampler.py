@@ -74,9 +74,9 @@ def _compiled(graphdef, max_new, temperature, top_k, top_p, min_p, stop_ids, pad
     # Each prompt is prefilled once; its cache and last hidden state are repeated for its samples.
     cache = KVCache.init(lm.cfg, ids_BxP.shape[0], ids_BxP.shape[1] + max_new, cache_dtype)
     hidden, cache = lm.forward(ids_BxP, mask_BxP, cache=cache, layers=layers)
-    repeat = lambda a: jnp.repeat(a, num_samples, axis=0)  # noqa: E731
-    cache = KVCache(tuple(map(repeat, cache.k)), tuple(map(repeat, cache.v)), repeat(cache.segment_BxS), cache.index)
-    hidden, mask_NxP = repeat(hidden[:, -1:]), repeat(mask_BxP)
+    cache = cache.repeat(num_samples)
+    hidden = jnp.repeat(hidden[:, -1:], num_samples, axis=0)
+    mask_NxP = jnp.repeat(mask_BxP, num_samples, axis=0)
     n = mask_NxP.shape[0]
     rng, key = jax.random.split(rng)
     token, logp = sample(lm.logits(hidden)[:, 0], key)

@@ -34,7 +34,7 @@ from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.critic import Critic
 from jalign.train.metrics import MetricsWriter
-from jalign.train.preemption import Preempted, Preemption
+from jalign.train.preemption import Preemption
 from jalign.train.step import make_step
 
 
@@ -313,13 +313,8 @@ def run(cfg: RunConfig) -> dict:
                      f"grpo.max_kl={g.max_kl}; checkpoint saved")
         break
       if preempt.should_stop(step + 1) and step + 1 < cfg.train.steps:
-        if not (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):  # else saved just above
-          ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
-        ckpt.close()
-        preempt.saved()
-        writer.print(f"SIGTERM: saved step {step + 1} to {ckpt.directory}; exiting")
-        writer.close()
-        raise Preempted(f"saved step {step + 1} to {ckpt.directory}")
+        preempt.stop(step + 1, lambda: ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state()),
+                     ckpt, writer, saved_already=bool(cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0))
     else:
       if latest is None or latest < cfg.train.steps:
         ckpt.save(cfg.train.steps, state, prompts_it, as_dict(cfg), extra=extra_state())

@@ -25,7 +25,7 @@ from jalign.data.sources import open_source
 from jalign.train import optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_host
-from jalign.train.preemption import Preempted, Preemption
+from jalign.train.preemption import Preemption
 from jalign.train.step import TrainState, make_step
 
 
@@ -275,13 +275,8 @@ def run(cfg: RunConfig, task: Task) -> dict:
         evaluate_now(step, s.full(state.params))
       if preempt.should_stop(step) and step < cfg.train.steps:
         flush(pending)
-        if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):  # else saved just above
-          save(step)
-        ckpt.close()
-        preempt.saved()
-        writer.print(f"SIGTERM: saved step {step} to {ckpt.directory}; exiting")
-        writer.close()
-        raise Preempted(f"saved step {step} to {ckpt.directory}")
+        preempt.stop(step, lambda: save(step), ckpt, writer,
+                     saved_already=bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0))
     if pending is not None:
       final = flush(pending)
     if start < cfg.train.steps or latest is None:

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, NoReturn
 
 import jax
 from jax.experimental import multihost_utils
@@ -78,6 +78,17 @@ class Preemption:
         self._start_clock()
       return self._requested
     return self._requested
+
+  def stop(self, step: int, save: Callable[[], None], ckpt, writer, saved_already: bool) -> NoReturn:
+    """Saves `step` (unless the regular schedule just did), closes the checkpointer and the metrics writer, and
+    raises Preempted."""
+    if not saved_already:
+      save()
+    ckpt.close()
+    self.saved()
+    writer.print(f"SIGTERM: saved step {step} to {ckpt.directory}; exiting")
+    writer.close()
+    raise Preempted(f"saved step {step} to {ckpt.directory}")
 
   def saved(self):
     """The checkpoint is written: the grace clock stops."""
