@@ -43,7 +43,8 @@ def get_config(arg=None):
       adv_estimator="grpo", gamma=1.0, lam=1.0, critic_lr=1e-5, value_clip=0.5, critic_warmup=0,
       clip_low=0.2, clip_high=0.28, loss_mode="vanilla", agg="token-mean", kl_coef=0.001, kl_kind="k3",
       kl_in_reward=False, kl_ctrl="fixed", kl_target=0.1, kl_horizon=10000,
-      entropy_coef=0.0, dynamic_sampling=True, share_prompts=True, eval_prompts="synthetic:arith:test",
+      entropy_coef=0.0, dynamic_sampling=True, max_gen_batches=1, share_prompts=True,
+      eval_prompts="synthetic:arith:test",
       eval_examples=500,
       max_kl=0.0, max_kl_action="stop", kl_lr_factor=0.5, entropy_floor=0.01))
   c.grpo.clip_c = ml_collections.config_dict.placeholder(float)

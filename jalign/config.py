@@ -160,8 +160,10 @@ class GrpoSection:
   prompts_per_step: int = 16           # x sampling.num_samples completions per step
   mini_batches: int = 1                # optimizer updates per epoch over the step's completions
   ppo_epochs: int = 1
-  # grpo / drgrpo / rloo: group baselines; gae: PPO with a learned critic; reinforce_pp(_baseline): REINFORCE++.
-  adv_estimator: Literal["grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+  # grpo / drgrpo / rloo: group baselines; gae: PPO with a learned critic; reinforce_pp(_baseline): REINFORCE++;
+  # remax: each prompt's greedy response, sampled and scored alongside, is the baseline (Li et al. 2023).
+  adv_estimator: Literal["grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline",
+                         "remax"] = "grpo"
   gamma: float = 1.0                   # discount (verl algorithm.gamma)
   lam: float = 1.0                     # GAE lambda (verl algorithm.lam)
   clip_low: float = 0.2
@@ -180,7 +182,9 @@ class GrpoSection:
   critic_lr: float = 1e-5              # gae: the critic's own AdamW learning rate (verl critic.optim.lr)
   value_clip: float = 0.5              # gae: clip of the value update around the rollout values (verl)
   critic_warmup: int = 0               # gae: first steps update only the critic (verl trainer.critic_warmup)
-  dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal
+  dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal (out of the loss) ...
+  max_gen_batches: int = 1             # ... and sample up to this many prompt batches per step to refill
+                                       # prompts_per_step informative groups (verl filter_groups.max_num_gen_batches)
   share_prompts: bool = True           # with one mini-batch: each prompt runs through the model once per group in
                                        # the update (its keys/values shared by the group's samples); not with remat
   eval_prompts: str = ""               # held-out prompts for greedy accuracy; "" = none
@@ -583,6 +587,16 @@ def _validate_grpo(cfg: RunConfig) -> None:
     raise ConfigError(f"config.grpo.kl_lr_factor={g.kl_lr_factor} must be in (0, 1)")
   if g.value_clip <= 0:
     raise ConfigError(f"config.grpo.value_clip={g.value_clip} must be positive")
+  if g.dynamic_sampling and s.num_samples < 2:
+    raise ConfigError(f"config.grpo.dynamic_sampling=True drops groups whose rewards are all equal: with "
+                      f"sampling.num_samples={s.num_samples} every group would be dropped; set num_samples >= 2 or "
+                      "dynamic_sampling=False")
+  if g.adv_estimator == "remax" and g.buffer:
+    raise ConfigError("config.grpo.adv_estimator='remax' samples a greedy baseline response per prompt while "
+                      "training; a replay buffer (grpo.buffer) has none: use online training or another estimator")
+  if g.max_gen_batches < 1 or (g.max_gen_batches > 1 and not g.dynamic_sampling):
+    raise ConfigError(f"config.grpo.max_gen_batches={g.max_gen_batches}: must be >= 1, and > 1 (refilling) only "
+                      "with grpo.dynamic_sampling=True")
 
 
 def sampling_rules(cfg: RunConfig):

@@ -111,16 +111,21 @@ def outcome_to_tokens(scores_B, mask_BxT):
   return jax.nn.one_hot(last, mask.shape[1]) * scores_B[:, None]
 
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline")
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline", "remax")
 
 
-def estimate(estimator: str, token_rewards_BxT, mask_BxT, group_ids_B, *, values_BxT=None, gamma: float = 1.0,
-             lam: float = 1.0):
+def estimate(estimator: str, token_rewards_BxT, mask_BxT, group_ids_B, *, values_BxT=None, baselines_B=None,
+             gamma: float = 1.0, lam: float = 1.0):
   """(advantages [B, T], returns [B, T] or None) by name, from token-level rewards (the outcome on the last token,
-  minus any in-reward KL). Outcome-based estimators score a sequence by its summed token rewards, as verl does."""
+  minus any in-reward KL). Outcome-based estimators score a sequence by its summed token rewards, as verl does.
+  `values_BxT`: the critic's (gae); `baselines_B`: the reward of each row's prompt's greedy response (remax)."""
   mask = mask_BxT.astype(jnp.float32)
   if estimator == "gae":
     return gae(token_rewards_BxT, values_BxT, mask, gamma=gamma, lam=lam)
+  if estimator == "remax":
+    if baselines_B is None:
+      raise ValueError("remax needs baselines_B: the reward of each prompt's greedy response")
+    return remax(token_rewards_BxT, baselines_B, mask)
   if estimator == "reinforce_pp":
     return reinforce_pp(token_rewards_BxT, mask, gamma=gamma)
   scores = jnp.sum(token_rewards_BxT * mask, axis=-1)

@@ -34,20 +34,23 @@ def attention_mask(q_segment_BxT, k_segment_BxS, q_index_T, window) -> jax.Array
   return same & (causal & local)[None]
 
 
-def gqa_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float, softcap: float | None):
+def gqa_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float, softcap: float | None,
+                  kv_heads_first: bool = False):
   """Softmax attention with N query heads sharing K key/value heads; scores and softmax in fp32.
+  `kv_heads_first`: keys and values come as [B, K, S, H] (the decoding cache's layout) instead of [B, S, K, H].
 
   (Two batched matmuls over (batch x kv-head), [B*K, G*T, H] @ [B*K, H, S], run the backward ~15% faster on XLA's
   CPU backend but round differently; the shipped tiny policy's SFT recipe is sensitive enough to that to land
   elsewhere, so the change waits for the next retraining of the shipped assets: see benchmarks/README.md.)"""
   b, t, n, h = q_BxTxNxH.shape
-  k = k_BxSxKxH.shape[2]
+  k = k_BxSxKxH.shape[1 if kv_heads_first else 2]
+  kv = "bksh" if kv_heads_first else "bskh"
   q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+  scores = jnp.einsum(f"btkgh,{kv}->bkgts", q_BxTxKxGxH, k_BxSxKxH,
                       preferred_element_type=jnp.float32) * scale
   if softcap is not None:  # Gemma 2: tanh soft-capping of the scores, before the mask
     scores = jnp.tanh(scores / softcap) * softcap
   scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+  out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, v_BxSxKxH)
   return out.reshape(b, t, n, h)

@@ -36,9 +36,11 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> n
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Preallocated keys/values for decoding, one [B, S, K, H] buffer per layer (so a decode step updates each in
-  place; a stacked [L, ...] buffer would be rewritten whole every token). `segment_BxS` is 0 for empty or padding
-  slots; `index` is the next slot to write (shared by the batch: left-padded prompts keep rows in step)."""
+  """Preallocated keys/values for decoding, one [B, K, S, H] buffer per layer (so a decode step updates each in
+  place; a stacked [L, ...] buffer would be rewritten whole every token). Heads before slots: the layout attention
+  reads, so a decode step does not transpose the whole cache (XLA would copy it every token otherwise).
+  `segment_BxS` is 0 for empty or padding slots; `index` is the next slot to write (shared by the batch:
+  left-padded prompts keep rows in step)."""
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   segment_BxS: jax.Array
@@ -46,7 +48,7 @@ class KVCache:
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = dtype or cfg.dtype
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
     return cls(zeros(), zeros(), jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
@@ -148,13 +150,14 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     keys, values, k_segment = k, v, q_segment_BxT
     new_kv = None
   else:
-    cache_k, cache_v, k_segment = kv
-    keys = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), cache_index, axis=1)
-    values = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), cache_index, axis=1)
+    cache_k, cache_v, k_segment = kv  # [B, K, S, H]
+    heads_first = lambda a, c: jnp.swapaxes(a, 1, 2).astype(c.dtype)  # noqa: E731  [B, T, K, H] -> [B, K, T, H]
+    keys = jax.lax.dynamic_update_slice_in_dim(cache_k, heads_first(k, cache_k), cache_index, axis=2)
+    values = jax.lax.dynamic_update_slice_in_dim(cache_v, heads_first(v, cache_v), cache_index, axis=2)
     new_kv = (keys, values)
     keys, values = keys.astype(dt), values.astype(dt)
   mask = attention_mask(q_segment_BxT, k_segment, q_index_T, window) if mask_BxTxS is None else mask_BxTxS
-  attn = gqa_attention(q, keys, values, mask, scale=cfg.scale, softcap=cfg.attn_softcap)
+  attn = gqa_attention(q, keys, values, mask, scale=cfg.scale, softcap=cfg.attn_softcap, kv_heads_first=kv is not None)
   out = proj(attn, "o", in_dims=2)
   if cfg.out_bias:
     out = out + w("o_bias")

@@ -73,7 +73,7 @@ class SamplingSpec:
 
 
 def left_pad(prompts: list[Prompt], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Prompt ids and mask [B, P], left-padded to the sampler's power-of-two bucket."""
+  """Prompt ids and mask [B, P], left-padded to the sampler's bucket (`sampling.prompt_bucket`)."""
   width = sampling.prompt_bucket(max(len(p.ids) for p in prompts))
   ids = np.full((len(prompts), width), pad_id, np.int32)
   mask = np.zeros((len(prompts), width), np.int32)

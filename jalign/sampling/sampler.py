@@ -27,8 +27,12 @@ class GenerateOutput:
 
 
 def prompt_bucket(length: int, minimum: int = 16) -> int:
-  """Prompts are left-padded to the next power of two (at least `minimum`): a handful of compiled programs."""
-  return max(minimum, 1 << max(length - 1, 0).bit_length())
+  """Prompts are left-padded to the next bucket: four per doubling (16, 20, 24, 28, 32, 40, 48, ...; at least
+  `minimum`), so a handful of compiled programs serve every length and at most a fifth of a bucket is padding
+  (power-of-two buckets padded 18-token prompts to 32: 44% of the prefill and of GRPO's prompt forward wasted)."""
+  n = max(length, minimum)
+  step = 1 << max((n - 1).bit_length() - 3, 0)  # a quarter of the power of two below n
+  return -(-n // step) * step
 
 
 def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, temperature: float = 1.0,

@@ -43,6 +43,37 @@ def _prompt_iterator(cfg: RunConfig, n: int):
   return iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())
 
 
+@dataclasses.dataclass
+class Groups:
+  """Sampled groups: prompt i's completions are rows i*size .. i*size+size-1."""
+  prompts: list[Prompt]
+  size: int
+  response: np.ndarray                  # [N, R] token ids
+  lengths: np.ndarray                   # [N]
+  scores: np.ndarray                    # [N]
+  behaviour: np.ndarray | None = None   # [N, R] stored log-probs (offline)
+  rm_scores: np.ndarray | None = None   # [N] reward-model share of the scores
+  baselines: np.ndarray | None = None   # [N] reward of the prompt's greedy response (remax)
+
+  def informative(self) -> np.ndarray:
+    """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
+    grouped = self.scores.reshape(len(self.prompts), self.size)
+    return grouped.max(1) > grouped.min(1)
+
+  @staticmethod
+  def select(batches: list["Groups"], want: int) -> "Groups":
+    """`want` groups from several batches: informative ones first, in sampling order; if there are too few,
+    uninformative ones fill the rest (they stay in the batch, masked out of the loss)."""
+    pool = [(b, i) for b in batches for i in np.flatnonzero(b.informative())]
+    pool += [(b, i) for b in batches for i in np.flatnonzero(~b.informative())]
+    picked = pool[:want]
+    rows = lambda b, i: slice(i * b.size, (i + 1) * b.size)  # noqa: E731
+    cat = lambda name: None if getattr(batches[0], name) is None else np.concatenate(  # noqa: E731
+        [getattr(b, name)[rows(b, i)] for b, i in picked])
+    return Groups([b.prompts[i] for b, i in picked], batches[0].size, cat("response"), cat("lengths"),
+                  cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"))
+
+
 class OfflineBuffer:
   """Groups of a replay buffer written by the rollout task, served as GRPO steps (offline mode)."""
 
@@ -190,6 +221,40 @@ def run(cfg: RunConfig) -> dict:
   policy = lambda st: nnx.merge(graphdef, full(st.params))
   monitors = Monitors(entropy_floor=g.entropy_floor)
 
+  def collect(indices, gen_key) -> Groups:
+    """One prompt batch's groups: sampled and scored online, or read from the replay buffer offline."""
+    indices = [int(i) for i in indices]
+    if offline is not None:
+      prompts, response, lengths, scores, behaviour = offline.batch(indices, tok.pad_id)
+      return Groups(prompts, s.num_samples, response, lengths, scores, behaviour)
+    prompts = [encode(source[i], index=i, where=source.where(i)) for i in indices]
+    ids, mask = left_pad(prompts, tok.pad_id)
+    out = sampling.generate(policy(state), ids, mask, gen_key, max_new_tokens=s.max_new_tokens,
+                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                            stop_token_ids=(tok.eos_id,), num_samples=s.num_samples, pad_id=tok.pad_id, mesh=mesh,
+                            rules=gen_rules)
+    response, lengths = distributed.to_host((out.tokens, out.lengths))
+    scores, rm_scores = score(prompts, ids, mask, response, lengths, s.num_samples)
+    baselines = None
+    if g.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
+      greedy = sampling.generate(policy(state), ids, mask, gen_key, max_new_tokens=s.max_new_tokens,
+                                 temperature=0.0, stop_token_ids=(tok.eos_id,), pad_id=tok.pad_id, mesh=mesh,
+                                 rules=gen_rules)
+      baselines = np.repeat(score(prompts, ids, mask, *distributed.to_host((greedy.tokens, greedy.lengths)), 1)[0],
+                            s.num_samples)
+    return Groups(prompts, s.num_samples, response, lengths, scores, None, rm_scores, baselines)
+
+  def score(prompts, ids, mask, response, lengths, n):
+    """Rewards [B * n] of the responses (n per prompt) and the reward model's share of them (or None)."""
+    owners = [prompts[i // n] for i in range(len(response))]
+    texts = [tok.decode(response[i, :lengths[i]]) for i in range(len(response))]
+    scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
+    rm_scores = None
+    if model_reward is not None:
+      rm_scores = model_reward(np.repeat(ids, n, 0), np.repeat(mask, n, 0), response, lengths)
+      scores = scores + model_reward.weight * rm_scores
+    return scores, rm_scores
+
   with Preemption(cfg.checkpoint.preempt_grace_s, ckpt.newest_complete) as preempt, jax.set_mesh(mesh):
     initial_acc = None
     if eval_prompts:
@@ -202,26 +267,16 @@ def run(cfg: RunConfig) -> dict:
     final: dict[str, float] = {}
     for step in range(start, cfg.train.steps):
       t0 = time.perf_counter()
-      indices = [int(i) for i in next(prompts_it)]
-      behaviour = None
-      if offline is None:
-        prompts = [encode(source[i], index=i, where=source.where(i)) for i in indices]
-        ids, mask = left_pad(prompts, tok.pad_id)
-        out = sampling.generate(policy(state), ids, mask, jax.random.fold_in(key, step),
-                                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                                top_p=s.top_p, min_p=s.min_p, stop_token_ids=(tok.eos_id,),
-                                num_samples=s.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=gen_rules)
-        response, lengths = distributed.to_host((out.tokens, out.lengths))
-        owners = [prompts[i // s.num_samples] for i in range(rows)]
-        texts = [tok.decode(response[i, :lengths[i]]) for i in range(rows)]
-        scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
-        if model_reward is not None:
-          rm_scores = model_reward(np.repeat(ids, s.num_samples, 0), np.repeat(mask, s.num_samples, 0), response,
-                                   lengths)
-          scores = scores + model_reward.weight * rm_scores
-      else:
-        prompts, response, lengths, scores, behaviour = offline.batch(indices, tok.pad_id)
-        ids, mask = left_pad(prompts, tok.pad_id)
+      step_key = jax.random.fold_in(key, step)
+      batches = [collect(next(prompts_it), step_key)]
+      if g.dynamic_sampling:  # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
+        while sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step \
+            and len(batches) < g.max_gen_batches:
+          batches.append(collect(next(prompts_it), jax.random.fold_in(step_key, len(batches) + 1)))
+      sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
+      prompts, response, lengths, scores, behaviour = (sampled.prompts, sampled.response, sampled.lengths,
+                                                       sampled.scores, sampled.behaviour)
+      ids, mask = left_pad(prompts, tok.pad_id)
       t_gen = time.perf_counter() - t0
 
       groups = np.repeat(np.arange(g.prompts_per_step), s.num_samples)
@@ -241,7 +296,7 @@ def run(cfg: RunConfig) -> dict:
         device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
       device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
       kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef
-      adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef)
+      adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef, sampled.baselines)
       if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
         extra_cols["response_mask"] = response_mask * informative[:, None]
       device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, batch_sharding))
@@ -277,12 +332,12 @@ def run(cfg: RunConfig) -> dict:
         writer.print(f"step {step + 1}: non-finite loss or gradient; update(s) skipped ({int(skipped)} so far)")
       if kl_ctl is not None or g.kl_in_reward:
         metrics["actor/kl_coef"] = kl_coef
-      if model_reward is not None and offline is None:
-        metrics["critic/rm_score/mean"] = float(np.mean(rm_scores))
+      if sampled.rm_scores is not None:
+        metrics["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
       metrics.update({"critic/score/mean": float(np.mean(scores)), "response_length/mean": float(np.mean(lengths)),
                       "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
                       "timing_s/step": time.perf_counter() - t0,
-                      "actor/informative_groups": float(np.mean(informative))})
+                      "actor/informative_groups": float(np.mean(informative)), "actor/gen_batches": len(batches)})
       signals, warnings = monitors.after_step(step + 1, metrics)
       metrics.update(signals)
       for line in warnings:
@@ -333,10 +388,10 @@ def run(cfg: RunConfig) -> dict:
 
 
 def _advantages(g, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic: Critic | None,
-                kl_coef: float):
+                kl_coef: float, baselines: np.ndarray | None = None):
   """Host arrays: advantages [N, R], the extra batch columns (`returns`, `old_values` for the critic) and metrics.
   Token rewards are the outcome on each response's last token, minus kl_coef x KL(old || ref) per token when the KL
-  goes in the reward (verl `apply_kl_penalty`)."""
+  goes in the reward (verl `apply_kl_penalty`). `baselines` [N]: remax's greedy-response rewards."""
   mask = device_batch["response_mask"].astype(jnp.float32)
   token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(scores), mask)
   metrics = {}
@@ -346,7 +401,10 @@ def _advantages(g, device_batch: dict, scores: np.ndarray, groups: np.ndarray, c
     metrics["actor/reward_kl"] = float(adv_lib.masked_mean(kl, mask))
   values = critic.values(device_batch) if critic is not None else None
   adv, returns = adv_lib.estimate(g.adv_estimator, token_rewards, mask, jnp.asarray(groups), values_BxT=values,
+                                  baselines_B=None if baselines is None else jnp.asarray(baselines, jnp.float32),
                                   gamma=g.gamma, lam=g.lam)
+  if baselines is not None:
+    metrics["critic/remax_baseline/mean"] = float(np.mean(baselines))
   extra = {}
   if critic is not None:
     returns, values, m = distributed.to_host((returns, values, mask))

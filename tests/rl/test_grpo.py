@@ -4,9 +4,13 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jalign.config import ConfigError
+from jalign.config import ConfigError, GrpoSection
+from jalign.train import grpo as grpo_train
+from jalign.train.grpo import Groups
 from tests.configs_util import ROOT, run_config
 
 
@@ -47,10 +51,62 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
                                       r"'drgrpo', 'rloo', 'gae'"),
     (dict(grpo__prompts_per_step=3, grpo__mini_batches=1), r"12 completions per mini-batch do not split over "
                                                            r"data-parallel size \(data x fsdp = 8\)"),
+    (dict(grpo__adv_estimator="reinforce_pp", sampling__num_samples=1), r"dynamic_sampling=True drops groups whose "
+                                                                        r"rewards are all equal: with "
+                                                                        r"sampling.num_samples=1 every group"),
+    (dict(grpo__adv_estimator="remax", grpo__buffer="runs/x"), r"'remax' samples a greedy baseline .* a replay "
+                                                               r"buffer \(grpo.buffer\) has none"),
+    (dict(grpo__dynamic_sampling=False, grpo__max_gen_batches=2), r"config.grpo.max_gen_batches=2: .* only with "
+                                                                  r"grpo.dynamic_sampling=True"),
 ])
 def test_bad_grpo_configs(overrides, message):
   with pytest.raises(ConfigError, match=message):
     run_config("grpo", **overrides)
+
+
+def test_groups_select_takes_informative_groups_first():
+  def batch(scores, first_prompt):
+    scores = np.asarray(scores, np.float32)
+    n = len(scores) // 2
+    return Groups([f"p{first_prompt + i}" for i in range(n)], 2, np.arange(len(scores))[:, None] + 10 * first_prompt,
+                  np.ones(len(scores), np.int32), scores)
+  a = batch([1, 1, 0, 1, 0, 0], 0)       # groups p0 (equal), p1 (informative), p2 (equal)
+  b = batch([0, 1, 1, 1, 1, 0], 3)       # p3 (informative), p4 (equal), p5 (informative)
+  np.testing.assert_array_equal(a.informative(), [False, True, False])
+  picked = Groups.select([a, b], 3)
+  assert picked.prompts == ["p1", "p3", "p5"]
+  np.testing.assert_array_equal(picked.scores, [0, 1, 0, 1, 1, 0])
+  np.testing.assert_array_equal(picked.response[:, 0], [2, 3, 30, 31, 34, 35])
+  short = Groups.select([a, b], 5)       # three informative groups, then the equal ones in order
+  assert short.prompts == ["p1", "p3", "p5", "p0", "p2"]
+
+
+def test_dynamic_sampling_refills_informative_groups(tmp_path):
+  _run(tmp_path / "r", "--config.grpo.max_gen_batches=3", "--config.train.steps=4")
+  steps = [json.loads(l) for l in open(tmp_path / "r" / "metrics.jsonl")]
+  steps = [r for r in steps if "actor/gen_batches" in r]
+  assert len(steps) == 4
+  # Every step either filled all its groups with signal or used up its batches; some step needed a refill.
+  assert all(r["actor/informative_groups"] == 1.0 or r["actor/gen_batches"] == 3 for r in steps), steps
+  assert any(r["actor/gen_batches"] > 1 for r in steps), steps
+
+
+def test_remax_advantages_subtract_the_greedy_reward():
+  # ReMax (Li et al. 2023; verl compute_remax_outcome_advantage): every response token's advantage is the sequence
+  # reward minus the reward of the same prompt's greedy response.
+  mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]], np.int32)
+  scores, baselines = np.array([1.0, 0.0, 0.5], np.float32), np.array([0.0, 1.0, 0.5], np.float32)
+  adv, _, metrics = grpo_train._advantages(GrpoSection(adv_estimator="remax"), {"response_mask": jnp.asarray(mask)},
+                                           scores, np.array([0, 0, 1]), None, 0.0, baselines)
+  np.testing.assert_allclose(adv, (scores - baselines)[:, None] * mask)
+  assert metrics["critic/remax_baseline/mean"] == pytest.approx(0.5)
+
+
+def test_remax_runs_online(tmp_path):
+  _run(tmp_path / "r", "--config.grpo.adv_estimator=remax", "--config.train.steps=2")
+  steps = [json.loads(l) for l in open(tmp_path / "r" / "metrics.jsonl")]
+  steps = [r for r in steps if "critic/remax_baseline/mean" in r]
+  assert len(steps) == 2 and all(0.0 <= r["critic/remax_baseline/mean"] <= 1.0 for r in steps)
 
 
 def test_offline_grpo_reads_the_rollout_buffer(tmp_path):

@@ -164,3 +164,12 @@ def test_bf16_model_and_cache(tmp_path):
   picked = np.take_along_axis(logp[:, PROMPT_LEN - 1:-1], np.asarray(out.tokens)[..., None], -1)[..., 0]
   assert np.all(np.isfinite(np.asarray(out.logprobs)))
   np.testing.assert_allclose(np.asarray(out.logprobs), picked, atol=0.15)  # bf16 rounding of two code paths
+
+
+def test_prompt_buckets_pad_little_and_stay_few():
+  from jalign.sampling import prompt_bucket
+  buckets = [prompt_bucket(n) for n in range(1, 1025)]
+  assert buckets[:16] == [16] * 16 and buckets[16:20] == [20] * 4 and prompt_bucket(33) == 40
+  assert all(b >= n and b < 1.25 * n for n, b in zip(range(16, 1025), buckets[15:]))
+  assert all(b1 <= b2 for b1, b2 in zip(buckets, buckets[1:]))
+  assert len(set(buckets)) == 1 + 4 * 6  # 16, then four per doubling up to 1024
