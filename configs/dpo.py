@@ -34,10 +34,10 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=2100, batch_size=32, micro_batches=1, seq_len=32, log_every=25, eval_every=300, eval_batches=16,
       eval_examples=500, nonfinite="stop"))
-  # 2100 steps at 2e-4 (cosine to 0.1x): held-out accuracy 66.4% -> 88.6%, rewards/accuracies 0.894, ~7 min on 2
-  # CPU cores (300 steps at 5e-5, the first default: 72.2% and 0.656).
+  # 2100 steps at 3e-4 (cosine to 0.1x): held-out accuracy 66.4% -> 93.4%, held-out rewards/accuracies 0.950,
+  # ~7 min on 2 CPU cores (2e-4: 88.6% and 0.894; 300 steps at 5e-5, the first default: 72.2% and 0.656).
   c.optim = ml_collections.ConfigDict(dict(
-      lr=2e-4, schedule="cosine", warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
+      lr=3e-4, schedule="cosine", warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
       clip_norm=1.0))
   c.dpo = ml_collections.ConfigDict(dict(
       # rpo_alpha: DPO + NLL on the chosen answer (Pang et al. 2024, for reasoning tasks); plain DPO (0.0) on this
