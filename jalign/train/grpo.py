@@ -281,8 +281,7 @@ def run(cfg: RunConfig) -> dict:
 
       groups = np.repeat(np.arange(g.prompts_per_step), s.num_samples)
       response_mask = (np.arange(s.max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
-      grouped = scores.reshape(g.prompts_per_step, s.num_samples)
-      informative = np.repeat(grouped.max(1) > grouped.min(1), s.num_samples)
+      informative = np.repeat(sampled.informative(), s.num_samples)
       prompt_ids, prompt_mask = np.repeat(ids, s.num_samples, 0), np.repeat(mask, s.num_samples, 0)
       segment = np.concatenate([prompt_mask, response_mask], 1)
       batch = {"tokens": np.concatenate([prompt_ids, response], 1).astype(np.int32),
