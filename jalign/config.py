@@ -185,8 +185,9 @@ class GrpoSection:
   dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal (out of the loss) ...
   max_gen_batches: int = 1             # ... and sample up to this many prompt batches per step to refill
                                        # prompts_per_step informative groups (verl filter_groups.max_num_gen_batches)
-  share_prompts: bool = True           # with one mini-batch: each prompt runs through the model once per group in
-                                       # the update (its keys/values shared by the group's samples); not with remat
+  share_prompts: bool = True           # each prompt runs through the model once per group in the update (its
+                                       # keys/values shared by the group's samples; mini-batches then hold whole
+                                       # groups, which needs mini_batches to divide prompts_per_step); not with remat
   eval_prompts: str = ""               # held-out prompts for greedy accuracy; "" = none
   eval_examples: int = 500
   max_kl: float = 0.0                  # bound on the mean KL to the reference; 0 = off

@@ -27,7 +27,8 @@ class Critic:
     if lora.has_adapters(params):  # adapters and head train; the base (shared with the policy) stays frozen
       params, self.frozen = lora.partition(params)
       param_shardings, frozen_shardings = lora.partition(param_shardings)
-    optimizer, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=g.critic_lr), cfg.train.steps)
+    optimizer, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=g.critic_lr), cfg.train.steps,
+                                         g.mini_batches * g.ppo_epochs)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
     rep = parallel.replicated(mesh)

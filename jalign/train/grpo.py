@@ -112,6 +112,17 @@ class OfflineBuffer:
     return prompts, response, lengths, scores, behaviour
 
 
+def minibatches(key: jax.Array, rows: int, n: int, group_size: int = 0) -> list[np.ndarray]:
+  """Row indices of `n` shuffled mini-batches. `group_size` > 0: rows come in groups of that many (one prompt's
+  samples) and each mini-batch takes whole groups, in order. One mini-batch is the rollout as it is."""
+  if n == 1:
+    return [np.arange(rows)]
+  if not group_size:
+    return np.split(np.asarray(jax.random.permutation(key, rows)), n)
+  groups = np.asarray(jax.random.permutation(key, rows // group_size))
+  return np.split((groups[:, None] * group_size + np.arange(group_size)).reshape(-1), n)
+
+
 def accuracy(lm, tok, prompts, metric: str, max_new: int, batch: int = 128) -> float:
   """Greedy held-out accuracy under the verifiable reward `metric`."""
   scores = []
@@ -128,7 +139,7 @@ def accuracy(lm, tok, prompts, metric: str, max_new: int, batch: int = 128) -> f
 
 def run(cfg: RunConfig) -> dict:
   g, s = cfg.grpo, cfg.sampling
-  optimizer, lr_schedule = optim_lib.make(cfg.optim, cfg.train.steps)
+  optimizer, _ = optim_lib.make(cfg.optim, cfg.train.steps)
   setup = loop.setup(cfg, optimizer)
   mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
   rewards = reward_spec(cfg)
@@ -149,8 +160,9 @@ def run(cfg: RunConfig) -> dict:
                     for i in range(min(len(eval_source), g.eval_examples))]
 
   rows = g.prompts_per_step * s.num_samples
-  # One mini-batch keeps each prompt's samples together, in order: the update can run each prompt once per group.
-  group_size = s.num_samples if g.share_prompts and g.mini_batches == 1 else 0
+  # Mini-batches are drawn as whole groups (each prompt's samples together, in order, as verl splits its rollout), so
+  # the update can run each prompt once per group.
+  group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
   loss_cfg = objective.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode,
                                       agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
                                       entropy_coef=g.entropy_coef, temperature=s.temperature,
@@ -165,7 +177,8 @@ def run(cfg: RunConfig) -> dict:
   def build_update(lr_scale: float):
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
     not depend on it, so lowering it mid-run only recompiles)."""
-    opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps)
+    opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
+                                   g.mini_batches * g.ppo_epochs)
     step_fn = make_step(loss_fn, opt, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True),
                         dropout_seed=loop.dropout_seed(cfg))
     jitted = jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding, setup.frozen_shardings),
@@ -306,9 +319,7 @@ def run(cfg: RunConfig) -> dict:
       sums: dict[str, float] = {}
       order_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
       for epoch in range(g.ppo_epochs):
-        order = np.asarray(jax.random.permutation(jax.random.fold_in(order_key, epoch), rows)) \
-            if g.mini_batches > 1 else np.arange(rows)  # one mini-batch: the whole rollout, groups kept together
-        for chunk in np.split(order, g.mini_batches):
+        for chunk in minibatches(jax.random.fold_in(order_key, epoch), rows, g.mini_batches, group_size):
           mb = device_batch if g.mini_batches == 1 else take_rows(device_batch,
                                                                    jax.device_put(np.asarray(chunk, np.int32), rep))
           m = {}

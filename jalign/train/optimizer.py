@@ -30,8 +30,12 @@ def decay_mask(params) -> dict:
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make(o: OptimSection, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  lr = schedule(o, steps)
+def make(o: OptimSection, steps: int, updates_per_step: int = 1) -> tuple[optax.GradientTransformation,
+                                                                         optax.Schedule]:
+  """`updates_per_step` > 1 (RL mini-batches x epochs): warmup and decay count training steps, and a step's updates
+  share one learning rate, as verl steps its scheduler once per policy update round."""
+  per_step = schedule(o, steps)
+  lr = per_step if updates_per_step == 1 else lambda count: per_step(count // updates_per_step)
   parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
   parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
   return optax.chain(*parts), lr

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -217,3 +218,18 @@ def test_shared_prompts_equal_the_full_forward(r):
   np.testing.assert_allclose(lb, la, rtol=1e-5)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("group_size", [0, 4])
+def test_minibatches_partition_rows_and_keep_groups_whole(group_size):
+  minibatches = grpo_train.minibatches
+  chunks = minibatches(jax.random.key(3), 32, 4, group_size)
+  assert len(chunks) == 4 and all(len(c) == 8 for c in chunks)
+  assert sorted(np.concatenate(chunks).tolist()) == list(range(32))
+  assert not all((np.concatenate(chunks) == np.arange(32)))  # shuffled
+  if group_size:  # each chunk holds whole groups, each group's rows in order
+    for c in chunks:
+      blocks = c.reshape(-1, group_size)
+      assert (blocks % group_size == np.arange(group_size)).all()
+      assert (blocks // group_size == blocks[:, :1] // group_size).all()
+  np.testing.assert_array_equal(minibatches(jax.random.key(3), 32, 1, group_size)[0], np.arange(32))

@@ -55,3 +55,15 @@ def test_gradient_accumulation_equals_one_big_batch():
   np.testing.assert_allclose(acc["train/weight"], big["train/weight"])
   for a, b in zip(jax.tree.leaves(acc_state.params), jax.tree.leaves(big_state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
+
+
+def test_schedule_counts_training_steps_when_a_step_makes_several_updates():
+  cfg = run_config("grpo", train__steps=20, optim__lr=1e-3, optim__schedule="cosine", optim__warmup_steps=4,
+                   optim__min_lr_ratio=0.1)
+  _, per_update = optim_lib.make(cfg.optim, 20)
+  _, per_step = optim_lib.make(cfg.optim, 20, updates_per_step=3)
+  # warmup 0 -> lr over 4 steps, then cosine to 0.1 x lr at step 20 (optax's forms, written out)
+  expect = lambda s: 1e-3 * s / 4 if s < 4 else 1e-3 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * (s - 4) / 16)))  # noqa
+  for count in range(60):
+    np.testing.assert_allclose(per_step(count), expect(count // 3), rtol=1e-5)
+  np.testing.assert_allclose(per_update(9), expect(9), rtol=1e-5)
