@@ -70,11 +70,11 @@ def _metrics(run_dir) -> dict[int, dict]:
   return out
 
 
-def _same_metrics(a, b, keys, steps, rtol=1e-5):
+def _same_metrics(a, b, keys, steps, rtol=1e-5, atol=1e-6):
   ma, mb = _metrics(a), _metrics(b)
   for step in steps:
     for key in keys:
-      np.testing.assert_allclose(mb[step][key], ma[step][key], rtol=rtol, atol=1e-6, err_msg=f"step {step} {key}")
+      np.testing.assert_allclose(mb[step][key], ma[step][key], rtol=rtol, atol=atol, err_msg=f"step {step} {key}")
 
 
 def _same_weights(a, b, atol=1e-6):
@@ -112,7 +112,8 @@ def test_dpo_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   settings = dict(train__steps=2, train__log_every=1)
   _one_process(task, str(tmp_path / "one"), **settings)
   _two_processes(task, str(tmp_path / "two"), **settings)
-  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), keys, steps=(1, 2), rtol=1e-4)
+  # The policy loss (~1e-2) is a mean of O(1) advantage-weighted terms that nearly cancel: its rounding is absolute.
+  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), keys, steps=(1, 2), rtol=1e-4, atol=1e-5)
   # Reductions over 2 x 2 devices round differently from 4 on one process; Adam divides a near-zero gradient entry
   # by its own small magnitude, so such an entry can move by a fraction of lr (1e-4) either way.
   _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=3e-5)
