@@ -195,6 +195,11 @@ class GrpoSection:
   kl_lr_factor: float = 0.5            # lower_lr: multiply the learning rate by this at each breach
   entropy_floor: float = 0.01          # warn (monitor/entropy_collapse) below this mean token entropy; 0 = off
 
+  @property
+  def updates_per_step(self) -> int:
+    """Optimizer updates per training step (policy and critic alike)."""
+    return self.mini_batches * self.ppo_epochs
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardModelSection:

@@ -28,7 +28,7 @@ class Critic:
       params, self.frozen = lora.partition(params)
       param_shardings, frozen_shardings = lora.partition(param_shardings)
     optimizer, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=g.critic_lr), cfg.train.steps,
-                                         g.mini_batches * g.ppo_epochs)
+                                         g.updates_per_step)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
     rep = parallel.replicated(mesh)

@@ -178,7 +178,7 @@ def run(cfg: RunConfig) -> dict:
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
     not depend on it, so lowering it mid-run only recompiles)."""
     opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
-                                   g.mini_batches * g.ppo_epochs)
+                                   g.updates_per_step)
     step_fn = make_step(loss_fn, opt, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True),
                         dropout_seed=loop.dropout_seed(cfg))
     jitted = jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding, setup.frozen_shardings),
@@ -329,7 +329,7 @@ def run(cfg: RunConfig) -> dict:
             m = {**m, **critic.update(mb)}
           for k, v in jax.device_get(m).items():
             sums[k] = float(v) if k.endswith("skipped_nonfinite") else sums.get(k, 0.0) + float(v)  # counts
-      n_updates = g.ppo_epochs * g.mini_batches
+      n_updates = g.updates_per_step
       metrics = {k.replace("train/loss", "actor/loss"): v if k.endswith("skipped_nonfinite") else v / n_updates
                  for k, v in sums.items()}
       metrics.update(adv_metrics)
