@@ -30,7 +30,8 @@ def get_config(arg=None):
   c.data = ml_collections.ConfigDict(dict(
       train=os.path.join(ASSETS, "arith_prefs", "train.jsonl"), eval=os.path.join(ASSETS, "arith_prefs", "test.jsonl"),
       max_length=32, truncation="keep_start", packing=False, buckets=(), shuffle=True, skip_bad_records=False,
-      read_threads=0, pair_checks="warn", max_length_ratio=1.5, check_records=0))
+      read_threads=0, pair_checks="warn", max_length_ratio=1.5, pairs_per_prompt=1,
+      check_records=0))
   c.train = ml_collections.ConfigDict(dict(
       steps=2100, batch_size=32, micro_batches=1, seq_len=32, log_every=25, eval_every=300, eval_batches=16,
       eval_examples=500, nonfinite="stop"))

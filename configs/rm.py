@@ -26,18 +26,22 @@ def get_config(arg=None):
       # Low-rank adapters (and the score head) instead of full fine-tuning: rank > 0.
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=("all-linear",)))))
   c.data = ml_collections.ConfigDict(dict(
-      train=os.path.join(ASSETS, "arith_prefs", "train.jsonl"), eval=os.path.join(ASSETS, "arith_prefs", "test.jsonl"),
+      # Trained on ones-digit slips of correct answers (two per question), evaluated on the tiny policy's own
+      # mistakes: see jalign/data/arith_preferences.py.
+      train=os.path.join(ASSETS, "arith_prefs", "rm_train.jsonl"),
+      eval=os.path.join(ASSETS, "arith_prefs", "test.jsonl"),
       max_length=32, truncation="keep_start", packing=False, buckets=(), shuffle=True, skip_bad_records=False,
-      read_threads=0, pair_checks="warn", max_length_ratio=1.5, check_records=0))
+      read_threads=0, pair_checks="warn", max_length_ratio=1.5, pairs_per_prompt=2, check_records=0))
   c.train = ml_collections.ConfigDict(dict(
-      steps=600, batch_size=32, micro_batches=1, seq_len=32, log_every=50, eval_every=200, eval_batches=4,
+      steps=3000, batch_size=32, micro_batches=1, seq_len=32, log_every=100, eval_every=500, eval_batches=4,
       eval_examples=500, nonfinite="stop"))
+  # The loss sits near ln 2 for the first ~500-1000 steps before the ones-digit check forms; 5e-4 never left it.
   c.optim = ml_collections.ConfigDict(dict(
-      lr=5e-4, schedule="cosine", warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
+      lr=3e-4, schedule="cosine", warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
       clip_norm=1.0))
   c.rm = ml_collections.ConfigDict(dict(head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=200, keep=2, resume=True, export_hf=True, async_save=True,
+  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, resume=True, export_hf=True, async_save=True,
                                               preempt_grace_s=30.0))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))

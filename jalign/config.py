@@ -50,6 +50,7 @@ class DataSection:
   pair_checks: Literal["warn", "error", "off"] = "warn"   # preference data: identical pairs, repeated prompts,
                                                           # chosen/rejected length imbalance, checked before training
   max_length_ratio: float = 1.5        # chosen/rejected mean-length ratio beyond which pair_checks reports it
+  pairs_per_prompt: int = 1            # pairs one prompt may have before pair_checks reports repeated prompts
   check_records: int = 0               # records read by the pair checks; 0 = all
 
 
@@ -480,6 +481,8 @@ def _validate_preference(cfg: RunConfig) -> None:
                       "a pair's sequences must fit one row")
   if d.max_length_ratio < 1:
     raise ConfigError(f"config.data.max_length_ratio={d.max_length_ratio}: must be >= 1")
+  if d.pairs_per_prompt < 1:
+    raise ConfigError(f"config.data.pairs_per_prompt={d.pairs_per_prompt}: must be >= 1")
   if cfg.task == "rm":
     if r.center_rewards_coefficient < 0 or r.mlp_size < 0:
       raise ConfigError("config.rm.center_rewards_coefficient and config.rm.mlp_size must be >= 0")

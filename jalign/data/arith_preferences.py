@@ -7,6 +7,13 @@ record carries `chosen_score` / `rejected_score`: a gold score that falls with t
 `-log(1 + |answer - truth|)` (0 when correct, -8 when no number can be read), so reward models can be rank-checked
 against it.
 
+Reward-model training pairs (`rm_train.jsonl`) are built differently: the same train questions, two pairs each,
+rejected = the correct answer with a ones-digit slip (+-1 to 3, the kind of most of the policy's mistakes: 64% of
+the test set's rejected answers are off by one). Trained on the policy's own mistakes, the tiny reward model stays
+near chance: they are the answers its backbone (the policy) already finds likely, and one mistake per question
+repeats the policy's few confusions. Random slips make it verify the ones digit, which carries over to the policy's
+mistakes in `test.jsonl` (see benchmarks/README.md).
+
     python -m jalign.data.arith_preferences --out jalign/assets/arith_prefs   # (re)build the shipped set, ~1 min
 """
 from __future__ import annotations
@@ -23,6 +30,7 @@ from jalign.rl.rewards import extract_gsm8k, parse_number
 
 UNREADABLE = -8.0
 SPLIT_SIZES = {"train": 10_000, "test": 500}
+SLIPS = (-3, -2, -1, 1, 2, 3)
 
 
 def gold_score(completion: str, truth: str) -> float:
@@ -47,12 +55,7 @@ def corrupt(truth: int, rng: np.random.RandomState) -> int:
 def build(split: str, policy_dir: str | None, *, n: int | None = None, samples: int = 8, seed: int = 0,
           batch: int = 256) -> list[dict]:
   """Preference records for `split`; with `policy_dir`, rejected answers come from that policy's samples."""
-  n = n or SPLIT_SIZES[split]
-  base, seen = [], set()
-  for r in synthetic.records(split, 4 * n, seed=seed):  # distinct prompts: one pair per question
-    if r["prompt"] not in seen and len(base) < n:
-      seen.add(r["prompt"])
-      base.append(r)
+  base = distinct_questions(split, n or SPLIT_SIZES[split], seed=seed)  # one pair per question
   policy_answers: list[list[str]] = [[] for _ in base]
   if policy_dir:
     policy_answers = _sample_policy(base, policy_dir, samples=samples, seed=seed, batch=batch)
@@ -72,6 +75,34 @@ def build(split: str, policy_dir: str | None, *, n: int | None = None, samples: 
                 "rejected": [{"role": "assistant", "content": rejected}],
                 "chosen_score": gold_score(chosen, truth), "rejected_score": gold_score(rejected, truth),
                 "answer": truth, "rejected_origin": origin})
+  return out
+
+
+def distinct_questions(split: str, n: int, seed: int = 0) -> list[dict]:
+  """The first `n` distinct questions among the first 4n records of the task's `split`."""
+  out, seen = [], set()
+  for r in synthetic.records(split, 4 * n, seed=seed):
+    if r["prompt"] not in seen and len(out) < n:
+      seen.add(r["prompt"])
+      out.append(r)
+  return out
+
+
+def slip_pairs(split: str = "train", n: int | None = None, per_question: int = 2, seed: int = 0) -> list[dict]:
+  """`per_question` pairs for each question of `build(split)`: chosen = the correct answer, rejected = it with a
+  ones-digit slip (distinct slips per question)."""
+  rng = np.random.RandomState(seed + 2)
+  out = []
+  for r in distinct_questions(split, n or SPLIT_SIZES[split], seed=seed):
+    truth = r["answer"]
+    chosen = f"#### {truth}"
+    for slip in rng.choice(SLIPS, per_question, replace=False):
+      rejected = f"#### {int(truth) + int(slip)}"
+      out.append({"prompt": [{"role": "user", "content": r["prompt"]}],
+                  "chosen": [{"role": "assistant", "content": chosen}],
+                  "rejected": [{"role": "assistant", "content": rejected}],
+                  "chosen_score": gold_score(chosen, truth), "rejected_score": gold_score(rejected, truth),
+                  "answer": truth, "rejected_origin": "slip"})
   return out
 
 
@@ -119,6 +150,9 @@ def main():
     write_jsonl(records, os.path.join(args.out, f"{split}.jsonl"))
     origin = np.mean([r["rejected_origin"] == "policy" for r in records])
     print(f"{split}: {len(records)} pairs, rejected sampled from the policy for {origin:.1%}")
+  records = slip_pairs("train")
+  write_jsonl(records, os.path.join(args.out, "rm_train.jsonl"))
+  print(f"rm_train: {len(records)} pairs, rejected = a ones-digit slip of the correct answer")
 
 
 if __name__ == "__main__":

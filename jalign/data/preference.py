@@ -154,6 +154,7 @@ class PairStats:
   pairs: int = 0
   identical: int = 0                # chosen == rejected
   duplicated_prompts: int = 0       # pairs whose prompt appeared in an earlier pair
+  most_pairs_per_prompt: int = 0
   chosen_tokens_mean: float = 0.0
   rejected_tokens_mean: float = 0.0
   has_gold: bool = False
@@ -163,12 +164,15 @@ class PairStats:
   def length_ratio(self) -> float:
     return self.chosen_tokens_mean / max(self.rejected_tokens_mean, 1e-9)
 
-  def problems(self, max_length_ratio: float) -> list[str]:
+  def problems(self, max_length_ratio: float, pairs_per_prompt: int = 1) -> list[str]:
+    """What the checks found; a prompt may have up to `pairs_per_prompt` pairs (several rejected answers to one
+    question) before its repeats are reported."""
     out = []
     if self.identical:
       out.append(f"{self.identical} pairs have chosen identical to rejected (no preference signal)")
-    if self.duplicated_prompts:
-      out.append(f"{self.duplicated_prompts} pairs repeat an earlier pair's prompt")
+    if self.most_pairs_per_prompt > pairs_per_prompt:
+      out.append(f"{self.duplicated_prompts} pairs repeat an earlier pair's prompt (up to "
+                 f"{self.most_pairs_per_prompt} pairs per prompt; data.pairs_per_prompt={pairs_per_prompt})")
     r = self.length_ratio
     if r > max_length_ratio or r < 1 / max_length_ratio:
       out.append(f"chosen/rejected length ratio {r:.2f} (chosen {self.chosen_tokens_mean:.1f} vs rejected "
@@ -222,6 +226,7 @@ def check_pairs(source, encode_fn: Callable[[dict], dict], *, limit: int = 0, sk
   if stats.pairs == 0:
     raise DataError(f"{getattr(source, 'path', 'data source')}: no usable preference pairs")
   stats.duplicated_prompts = sum(c - 1 for c in prompts.values())
+  stats.most_pairs_per_prompt = max(prompts.values())
   stats.chosen_tokens_mean = chosen_len / stats.pairs
   stats.rejected_tokens_mean = rejected_len / stats.pairs
   stats.has_gold = gold == stats.pairs

@@ -85,6 +85,12 @@ def verify(metric: str, r: Responses) -> np.ndarray:
   return np.asarray(REGISTRY[metric](Batch(r.texts, r.truths(), r.lengths)), np.float64)
 
 
+def accuracy(lm, tok, prompts: list[Prompt], metric: str, max_new_tokens: int, batch_size: int = 128) -> float:
+  """Greedy pass@1 under the verifier `metric` (the held-out accuracy the training loops print)."""
+  greedy = generate(lm, tok, prompts, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=batch_size)
+  return float(np.mean(verify(metric, greedy)))
+
+
 def _rl_batch(r: Responses, pad_id: int) -> dict:
   ids, mask = r.prompt_arrays(pad_id)
   response_mask = (np.arange(r.tokens.shape[1])[None] < r.lengths[:, None]).astype(np.int32)

@@ -23,6 +23,7 @@ from jalign.parallel.distributed import say
 from jalign.config import REFERENCE_FREE, RunConfig, reward_spec
 from jalign.data import preference
 from jalign.data.sources import DataError, JsonlSource, open_source
+from jalign.eval.policy import accuracy
 from jalign.objectives import dpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH
 from jalign.rl.rollout import encode_prompt
@@ -169,7 +170,6 @@ class DpoTask(PreferenceTask):
             for i in range(min(len(source), p.eval_examples))]
 
   def _accuracy(self, params) -> float:
-    from jalign.train.grpo import accuracy
     return accuracy(nnx.merge(self.graphdef, params), self.tok, self._eval_prompts, self._metric,
                     self.cfg.dpo.eval_max_new_tokens)
 

@@ -24,9 +24,10 @@ from jalign import models, parallel, sampling
 from jalign.parallel import distributed
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
+from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, Batch
 from jalign.rl import buffer as buffer_lib
 from jalign.rl.monitors import Monitors
 from jalign.rl.rollout import Prompt, encode_prompt, left_pad
@@ -121,20 +122,6 @@ def minibatches(key: jax.Array, rows: int, n: int, group_size: int = 0) -> list[
     return np.split(np.asarray(jax.random.permutation(key, rows)), n)
   groups = np.asarray(jax.random.permutation(key, rows // group_size))
   return np.split((groups[:, None] * group_size + np.arange(group_size)).reshape(-1), n)
-
-
-def accuracy(lm, tok, prompts, metric: str, max_new: int, batch: int = 128) -> float:
-  """Greedy held-out accuracy under the verifiable reward `metric`."""
-  scores = []
-  for start in range(0, len(prompts), batch):
-    chunk = prompts[start:start + batch]
-    ids, mask = left_pad(chunk, tok.pad_id)
-    out = sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=max_new, temperature=0.0,
-                            stop_token_ids=(tok.eos_id,), pad_id=tok.pad_id)
-    tokens, lengths = distributed.to_host((out.tokens, out.lengths))
-    texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(chunk))]
-    scores.extend(REGISTRY[metric](Batch(texts, [p.ground_truth for p in chunk], lengths)).tolist())
-  return float(np.mean(scores))
 
 
 def run(cfg: RunConfig) -> dict:

@@ -57,7 +57,7 @@ class PreferenceTask(loop.Task):
     self.stats[spec] = stats
     if d.pair_checks != "off":
       say(f"preference data {spec}: {stats.summary()}")
-      problems = stats.problems(d.max_length_ratio)
+      problems = stats.problems(d.max_length_ratio, d.pairs_per_prompt)
       if problems and d.pair_checks == "error":
         raise DataError(f"{spec}: " + "; ".join(problems) + " (data.pair_checks='error'; 'warn' reports and "
                         "continues)")

@@ -109,6 +109,7 @@ def test_checks_report_identical_duplicates_and_length_imbalance(tmp_path, tok):
   assert stats.length_ratio > 1.5
   problems = " ".join(stats.problems(1.5))
   assert "identical" in problems and "repeat" in problems and "length ratio" in problems
+  assert stats.most_pairs_per_prompt == 3 and "repeat" not in " ".join(stats.problems(1.5, pairs_per_prompt=3))
   assert not stats.has_gold
 
 
@@ -133,3 +134,20 @@ def test_bad_records_name_file_and_line(tmp_path, tok, record, raw, message):
     preference.check_pairs(open_source(path), encode)
   # skip_bad_records: the bad one is left out, the good one counted
   assert preference.check_pairs(open_source(path), encode, skip_bad_records=True).pairs == 1
+
+
+def test_shipped_reward_model_pairs_are_ones_digit_slips_of_train_questions():
+  from jalign.data import arith_preferences
+
+  prefs = os.path.join(os.path.dirname(synthetic.__file__), "..", "assets", "arith_prefs")
+  shipped = [json.loads(line) for line in open(os.path.join(prefs, "rm_train.jsonl"))]
+  assert shipped == arith_preferences.slip_pairs()  # the documented command rebuilds the file
+  test_questions = {json.loads(line)["prompt"][0]["content"] for line in open(os.path.join(prefs, "test.jsonl"))}
+  questions = [r["prompt"][0]["content"] for r in shipped]
+  assert len(questions) == 2 * len(set(questions)) == 20_000 and not set(questions) & test_questions
+  for r in shipped[:500]:
+    a, op, b = r["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split()
+    truth = int(a) + int(b) if op == "+" else int(a) - int(b)
+    slip = int(r["rejected"][0]["content"].removeprefix("#### ")) - truth
+    assert r["chosen"][0]["content"] == f"#### {truth}" and 1 <= abs(slip) <= 3
+    assert r["rejected_score"] == pytest.approx(-np.log1p(abs(slip))) and r["chosen_score"] == 0.0
