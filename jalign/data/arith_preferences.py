@@ -8,7 +8,7 @@ record carries `chosen_score` / `rejected_score`: a gold score that falls with t
 against it.
 
 Reward-model training pairs (`rm_train.jsonl`) are built differently: the same train questions, two pairs each,
-rejected = the correct answer with a ones-digit slip (+-1 to 3, the kind of most of the policy's mistakes: 64% of
+rejected = the correct answer with a ones-digit slip (+-1 to 3, the kind of most of the policy's mistakes: 67% of
 the test set's rejected answers are off by one). Trained on the policy's own mistakes, the tiny reward model stays
 near chance: they are the answers its backbone (the policy) already finds likely, and one mistake per question
 repeats the policy's few confusions. Random slips make it verify the ones digit, which carries over to the policy's
