@@ -1,6 +1,6 @@
 """The whole chain on the built-in arithmetic task: SFT -> reward model -> GRPO (or PPO) -> DPO, one command.
 
-    python -m jalign.run --config=configs/pipeline.py             # ~11 minutes on 2 CPU cores
+    python -m jalign.run --config=configs/pipeline.py             # ~9 minutes on 2 CPU cores
     python -m jalign.run --config=configs/pipeline.py:tiny        # seconds per stage, for tests
     python -m jalign.run --config=configs/pipeline.py --config.stages.grpo.optim.lr=5e-5   # any stage key
     python -m jalign.run --config=configs/pipeline.py --config.order="('sft','rm','ppo','dpo')"
@@ -49,7 +49,7 @@ def get_config(arg=None):
   s.sft.train.update(steps=300 if not arg else 4, eval_every=0)
   s.sft.optim.update(lr=1e-4, warmup_steps=0 if arg else 20)
   s.sft.checkpoint.every = 100 if not arg else 2
-  s.rm.train.update(steps=300 if not arg else 4)
+  s.rm.train.update(steps=1500 if not arg else 4)
   s.rm.optim.warmup_steps = 20 if not arg else 0
   for rl in (s.grpo, s.ppo):
     rl.checkpoint.every = 25 if not arg else 1
