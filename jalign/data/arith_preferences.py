@@ -63,26 +63,34 @@ def build(split: str, policy_dir: str | None, *, n: int | None = None, samples: 
   out = []
   for r, answers in zip(base, policy_answers):
     truth = r["answer"]
-    chosen = f"#### {truth}"
     wrong = [a for a in answers if gold_score(a, truth) < 0 and a.strip()]
     if wrong:  # the policy's most frequent mistake
       values, counts = np.unique(wrong, return_counts=True)
       rejected, origin = str(values[np.argmax(counts)]), "policy"
     else:
       rejected, origin = f"#### {corrupt(int(truth), rng)}", "corruption"
-    out.append({"prompt": [{"role": "user", "content": r["prompt"]}],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}],
-                "chosen_score": gold_score(chosen, truth), "rejected_score": gold_score(rejected, truth),
-                "answer": truth, "rejected_origin": origin})
+    out.append(_record(r, rejected, origin))
   return out
+
+
+def _record(question: dict, rejected: str, origin: str) -> dict:
+  """A conversational pair for `question`: chosen = its correct answer, with both gold scores."""
+  truth = question["answer"]
+  chosen = f"#### {truth}"
+  return {"prompt": [{"role": "user", "content": question["prompt"]}],
+          "chosen": [{"role": "assistant", "content": chosen}],
+          "rejected": [{"role": "assistant", "content": rejected}],
+          "chosen_score": gold_score(chosen, truth), "rejected_score": gold_score(rejected, truth),
+          "answer": truth, "rejected_origin": origin}
 
 
 def distinct_questions(split: str, n: int, seed: int = 0) -> list[dict]:
   """The first `n` distinct questions among the first 4n records of the task's `split`."""
   out, seen = [], set()
   for r in synthetic.records(split, 4 * n, seed=seed):
-    if r["prompt"] not in seen and len(out) < n:
+    if len(out) == n:
+      break
+    if r["prompt"] not in seen:
       seen.add(r["prompt"])
       out.append(r)
   return out
@@ -94,15 +102,8 @@ def slip_pairs(split: str = "train", n: int | None = None, per_question: int = 2
   rng = np.random.RandomState(seed + 2)
   out = []
   for r in distinct_questions(split, n or SPLIT_SIZES[split], seed=seed):
-    truth = r["answer"]
-    chosen = f"#### {truth}"
     for slip in rng.choice(SLIPS, per_question, replace=False):
-      rejected = f"#### {int(truth) + int(slip)}"
-      out.append({"prompt": [{"role": "user", "content": r["prompt"]}],
-                  "chosen": [{"role": "assistant", "content": chosen}],
-                  "rejected": [{"role": "assistant", "content": rejected}],
-                  "chosen_score": gold_score(chosen, truth), "rejected_score": gold_score(rejected, truth),
-                  "answer": truth, "rejected_origin": "slip"})
+      out.append(_record(r, f"#### {int(r['answer']) + int(slip)}", "slip"))
   return out
 
 
