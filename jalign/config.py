@@ -186,6 +186,9 @@ class GrpoSection:
   dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal (out of the loss) ...
   max_gen_batches: int = 1             # ... and sample up to this many prompt batches per step to refill
                                        # prompts_per_step informative groups (verl filter_groups.max_num_gen_batches)
+  compact_sizes: int = 0               # > 0: the update leaves the dropped groups out of its batch instead of masking
+                                       # them (less work, same loss), padded to a multiple of prompts_per_step /
+                                       # compact_sizes groups: at most this many batch shapes, each compiled once
   share_prompts: bool = True           # each prompt runs through the model once per group in the update (its
                                        # keys/values shared by the group's samples; mini-batches then hold whole
                                        # groups, which needs mini_batches to divide prompts_per_step); not with remat
@@ -209,6 +212,10 @@ class RewardModelSection:
   mlp_size: int = 0                    # mlp head width; 0 = hidden size
   center_rewards_coefficient: float = 0.0   # TRL: + coef * (r_c + r_r)^2 (Eisenstein et al. 2023); 0 = off
 
+
+# Advantage estimators whose values for one group depend on that group's samples alone (no batch whitening, no
+# critic): leaving other groups out of the batch does not change them.
+GROUP_LOCAL_ESTIMATORS = ("grpo", "drgrpo", "rloo", "remax")
 
 DPO_LOSS_TYPES = PAIRED + REFERENCE_FREE + ("kto",)
 
@@ -412,6 +419,12 @@ def validate(values, num_devices: int) -> RunConfig:
       raise ConfigError(f"config.grpo: {mb_rows} completions per mini-batch do not split over data-parallel size "
                         f"(data x fsdp = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
                         "grpo.mini_batches or mesh.shape")
+    g = cfg.grpo
+    unit_rows = g.prompts_per_step // g.compact_sizes * cfg.sampling.num_samples // g.mini_batches \
+        if g.compact_sizes > 0 else 0
+    if unit_rows % dp:
+      raise ConfigError(f"config.grpo.compact_sizes={g.compact_sizes}: a size step of {unit_rows} completions per "
+                        f"mini-batch does not split over data-parallel size (data x fsdp = {dp}); use fewer sizes")
   _validate_lora(cfg)
   if cfg.task == "eval":
     _validate_eval(cfg)
@@ -603,6 +616,18 @@ def _validate_grpo(cfg: RunConfig) -> None:
   if g.adv_estimator == "remax" and g.buffer:
     raise ConfigError("config.grpo.adv_estimator='remax' samples a greedy baseline response per prompt while "
                       "training; a replay buffer (grpo.buffer) has none: use online training or another estimator")
+  if g.compact_sizes:
+    unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes > 0 else 0
+    if not g.dynamic_sampling or unit < 1 or g.prompts_per_step % g.compact_sizes or unit % g.mini_batches:
+      raise ConfigError(f"config.grpo.compact_sizes={g.compact_sizes}: needs grpo.dynamic_sampling=True (it leaves "
+                        f"out the groups that dynamic sampling drops) and must divide prompts_per_step="
+                        f"{g.prompts_per_step} into units of whole mini-batches (mini_batches={g.mini_batches}); "
+                        "0 = off")
+    if g.adv_estimator not in GROUP_LOCAL_ESTIMATORS or g.agg not in ("token-mean", "seq-mean-token-sum-norm"):
+      raise ConfigError(f"config.grpo.compact_sizes={g.compact_sizes} with adv_estimator={g.adv_estimator!r}, "
+                        f"agg={g.agg!r}: leaving groups out keeps the loss unchanged only when each group's "
+                        f"advantages depend on that group alone ({', '.join(GROUP_LOCAL_ESTIMATORS)}) and the "
+                        "normaliser ignores masked-out rows (token-mean, seq-mean-token-sum-norm); set 0")
   if g.max_gen_batches < 1 or (g.max_gen_batches > 1 and not g.dynamic_sampling):
     raise ConfigError(f"config.grpo.max_gen_batches={g.max_gen_batches}: must be >= 1, and > 1 (refilling) only "
                       "with grpo.dynamic_sampling=True")

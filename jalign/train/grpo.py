@@ -154,16 +154,19 @@ def run(cfg: RunConfig) -> dict:
                                       agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
                                       entropy_coef=g.entropy_coef, temperature=s.temperature,
                                       global_rows=rows // g.mini_batches, group_size=group_size)
+  # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
+  compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
   batch_sharding = parallel.batch_sharding(mesh)
   rep = parallel.replicated(mesh)
   # A mini-batch's rows, taken in one compiled program: eager indexing of a global array runs several small
   # programs per column, and two processes could enter them in different orders and wait on each other.
   take_rows = jax.jit(lambda batch, rows_R: jax.tree.map(lambda v: v[rows_R], batch), out_shardings=batch_sharding)
-  loss_fn = objective.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options())
 
-  def build_update(lr_scale: float):
+  def build_update(lr_scale: float, update_rows: int = rows):
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
-    not depend on it, so lowering it mid-run only recompiles)."""
+    not depend on it, so lowering it mid-run only recompiles), for batches of `update_rows` rows."""
+    loss_fn = objective.make_loss_fn(graphdef, dataclasses.replace(loss_cfg, global_rows=update_rows // g.mini_batches),
+                                     cfg.logprobs.options())
     opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
                                    g.updates_per_step)
     step_fn = make_step(loss_fn, opt, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True),
@@ -173,7 +176,13 @@ def run(cfg: RunConfig) -> dict:
     return lambda state, batch: jitted(state, batch, setup.frozen)
 
   lr_scale = 1.0
-  update = build_update(lr_scale)
+  updates = {}  # update batch rows -> jitted update at the current lr_scale
+
+  def update(state, batch):
+    n = batch["response"].shape[0] // g.mini_batches
+    if n not in updates:
+      updates[n] = build_update(lr_scale, n * g.mini_batches)
+    return updates[n](state, batch)
   logprobs_fn = lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,  # noqa
                                                                    cfg.logprobs.options(), group_size)[0]
   logprobs = jax.jit(logprobs_fn)
@@ -212,7 +221,6 @@ def run(cfg: RunConfig) -> dict:
         kl_ctl.value = float(extra["kl_coef"])
       if g.max_kl_action == "lower_lr" and float(extra["lr_scale"]) != lr_scale:
         lr_scale = float(extra["lr_scale"])
-        update = build_update(lr_scale)
     start = latest
   writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, as_dict(cfg))
   if latest is not None:
@@ -274,14 +282,21 @@ def run(cfg: RunConfig) -> dict:
             and len(batches) < g.max_gen_batches:
           batches.append(collect(next(prompts_it), jax.random.fold_in(step_key, len(batches) + 1)))
       sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
-      prompts, response, lengths, scores, behaviour = (sampled.prompts, sampled.response, sampled.lengths,
-                                                       sampled.scores, sampled.behaviour)
+      sampled_metrics = {"critic/score/mean": float(np.mean(sampled.scores)),
+                         "response_length/mean": float(np.mean(sampled.lengths)),
+                         "actor/informative_groups": float(np.mean(sampled.informative()))}
+      trained = sampled
+      if compact_unit:  # leave out the groups the loss would mask: the same loss for less work
+        kept = -(-int(sampled.informative().sum()) // compact_unit) * compact_unit
+        trained = Groups.select([sampled], max(kept, compact_unit))
+      prompts, response, lengths, scores, behaviour = (trained.prompts, trained.response, trained.lengths,
+                                                       trained.scores, trained.behaviour)
       ids, mask = left_pad(prompts, tok.pad_id)
       t_gen = time.perf_counter() - t0
 
-      groups = np.repeat(np.arange(g.prompts_per_step), s.num_samples)
+      groups = np.repeat(np.arange(len(prompts)), s.num_samples)
       response_mask = (np.arange(s.max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
-      informative = np.repeat(sampled.informative(), s.num_samples)
+      informative = np.repeat(trained.informative(), s.num_samples)
       prompt_ids, prompt_mask = np.repeat(ids, s.num_samples, 0), np.repeat(mask, s.num_samples, 0)
       segment = np.concatenate([prompt_mask, response_mask], 1)
       batch = {"tokens": np.concatenate([prompt_ids, response], 1).astype(np.int32),
@@ -295,7 +310,7 @@ def run(cfg: RunConfig) -> dict:
         device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
       device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
       kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef
-      adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef, sampled.baselines)
+      adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef, trained.baselines)
       if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
         extra_cols["response_mask"] = response_mask * informative[:, None]
       device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, batch_sharding))
@@ -306,7 +321,7 @@ def run(cfg: RunConfig) -> dict:
       sums: dict[str, float] = {}
       order_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
       for epoch in range(g.ppo_epochs):
-        for chunk in minibatches(jax.random.fold_in(order_key, epoch), rows, g.mini_batches, group_size):
+        for chunk in minibatches(jax.random.fold_in(order_key, epoch), len(response), g.mini_batches, group_size):
           mb = device_batch if g.mini_batches == 1 else take_rows(device_batch,
                                                                    jax.device_put(np.asarray(chunk, np.int32), rep))
           m = {}
@@ -331,10 +346,9 @@ def run(cfg: RunConfig) -> dict:
         metrics["actor/kl_coef"] = kl_coef
       if sampled.rm_scores is not None:
         metrics["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
-      metrics.update({"critic/score/mean": float(np.mean(scores)), "response_length/mean": float(np.mean(lengths)),
-                      "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
-                      "timing_s/step": time.perf_counter() - t0,
-                      "actor/informative_groups": float(np.mean(informative)), "actor/gen_batches": len(batches)})
+      metrics.update({**sampled_metrics, "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
+                      "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": len(batches),
+                      "actor/update_groups": len(prompts)})
       signals, warnings = monitors.after_step(step + 1, metrics)
       metrics.update(signals)
       for line in warnings:
@@ -355,7 +369,7 @@ def run(cfg: RunConfig) -> dict:
                      f"{metrics.get('actor/kl_loss', 0.0):.4f}")
       if g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl and g.max_kl_action == "lower_lr":
         lr_scale = float(np.float32(lr_scale * g.kl_lr_factor))
-        update = build_update(lr_scale)
+        updates.clear()
         writer.print(f"step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds grpo.max_kl="
                      f"{g.max_kl}; learning rate lowered to {lr_scale:g} x optim.lr")
         writer.write(step + 1, {"monitor/lr_scale": lr_scale})

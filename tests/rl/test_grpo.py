@@ -59,6 +59,12 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
                                                                r"buffer \(grpo.buffer\) has none"),
     (dict(grpo__dynamic_sampling=False, grpo__max_gen_batches=2), r"config.grpo.max_gen_batches=2: .* only with "
                                                                   r"grpo.dynamic_sampling=True"),
+    (dict(grpo__compact_sizes=3), r"config.grpo.compact_sizes=3: needs grpo.dynamic_sampling=True .* must divide "
+                                  r"prompts_per_step=4"),
+    (dict(grpo__compact_sizes=2, grpo__agg="seq-mean-token-mean"), r"compact_sizes=2 with adv_estimator='grpo', "
+                                                                   r"agg='seq-mean-token-mean'"),
+    (dict(grpo__compact_sizes=4, grpo__mini_batches=1), r"compact_sizes=4: a size step of 4 completions per "
+                                                        r"mini-batch does not split over data-parallel size"),
 ])
 def test_bad_grpo_configs(overrides, message):
   with pytest.raises(ConfigError, match=message):
@@ -90,6 +96,26 @@ def test_dynamic_sampling_refills_informative_groups(tmp_path):
   # Every step either filled all its groups with signal or used up its batches; some step needed a refill.
   assert all(r["actor/informative_groups"] == 1.0 or r["actor/gen_batches"] == 3 for r in steps), steps
   assert any(r["actor/gen_batches"] > 1 for r in steps), steps
+
+
+def test_compacted_update_equals_the_masked_one(tmp_path):
+  """grpo.compact_sizes leaves the groups that dynamic sampling masks out of the update batch: the run samples the
+  same completions and ends at the same weights as the one that keeps them in, masked."""
+  from safetensors.numpy import load_file
+  common = ("--config.train.steps=4", "--config.grpo.mini_batches=1", "--config.grpo.eval_examples=0")
+  _run(tmp_path / "masked", *common)
+  _run(tmp_path / "compact", *common, "--config.grpo.compact_sizes=2")
+  rows = {name: [r for r in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if "actor/pg_loss" in r]
+          for name in ("masked", "compact")}
+  assert [r["actor/update_groups"] for r in rows["masked"]] == [4] * 4
+  assert any(r["actor/update_groups"] < 4 for r in rows["compact"]), rows["compact"]
+  for masked, compact in zip(rows["masked"], rows["compact"]):
+    assert masked["critic/score/mean"] == compact["critic/score/mean"]  # the same samples
+    np.testing.assert_allclose(compact["actor/pg_loss"], masked["actor/pg_loss"], rtol=1e-4, atol=1e-6)
+  masked, compact = (load_file(str(tmp_path / name / "hf" / "model.safetensors")) for name in ("masked", "compact"))
+  assert masked.keys() == compact.keys()
+  for name in masked:
+    np.testing.assert_allclose(compact[name], masked[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_remax_advantages_subtract_the_greedy_reward():
