@@ -152,8 +152,7 @@ def run(cfg: RunConfig) -> dict:
   group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
   loss_cfg = objective.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode,
                                       agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
-                                      entropy_coef=g.entropy_coef, temperature=s.temperature,
-                                      global_rows=rows // g.mini_batches, group_size=group_size)
+                                      entropy_coef=g.entropy_coef, temperature=s.temperature, group_size=group_size)
   # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
   compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
   batch_sharding = parallel.batch_sharding(mesh)
@@ -162,7 +161,7 @@ def run(cfg: RunConfig) -> dict:
   # programs per column, and two processes could enter them in different orders and wait on each other.
   take_rows = jax.jit(lambda batch, rows_R: jax.tree.map(lambda v: v[rows_R], batch), out_shardings=batch_sharding)
 
-  def build_update(lr_scale: float, update_rows: int = rows):
+  def build_update(lr_scale: float, update_rows: int):
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
     not depend on it, so lowering it mid-run only recompiles), for batches of `update_rows` rows."""
     loss_fn = objective.make_loss_fn(graphdef, dataclasses.replace(loss_cfg, global_rows=update_rows // g.mini_batches),
@@ -282,12 +281,13 @@ def run(cfg: RunConfig) -> dict:
             and len(batches) < g.max_gen_batches:
           batches.append(collect(next(prompts_it), jax.random.fold_in(step_key, len(batches) + 1)))
       sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
+      signal = sampled.informative()
       sampled_metrics = {"critic/score/mean": float(np.mean(sampled.scores)),
                          "response_length/mean": float(np.mean(sampled.lengths)),
-                         "actor/informative_groups": float(np.mean(sampled.informative()))}
+                         "actor/informative_groups": float(np.mean(signal))}
       trained = sampled
       if compact_unit:  # leave out the groups the loss would mask: the same loss for less work
-        kept = -(-int(sampled.informative().sum()) // compact_unit) * compact_unit
+        kept = -(-int(signal.sum()) // compact_unit) * compact_unit
         trained = Groups.select([sampled], max(kept, compact_unit))
       prompts, response, lengths, scores, behaviour = (trained.prompts, trained.response, trained.lengths,
                                                        trained.scores, trained.behaviour)
