@@ -161,10 +161,10 @@ def run(cfg: RunConfig) -> dict:
   # programs per column, and two processes could enter them in different orders and wait on each other.
   take_rows = jax.jit(lambda batch, rows_R: jax.tree.map(lambda v: v[rows_R], batch), out_shardings=batch_sharding)
 
-  def build_update(lr_scale: float, update_rows: int):
+  def build_update(lr_scale: float, mini_batch_rows: int):
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
-    not depend on it, so lowering it mid-run only recompiles), for batches of `update_rows` rows."""
-    loss_fn = objective.make_loss_fn(graphdef, dataclasses.replace(loss_cfg, global_rows=update_rows // g.mini_batches),
+    not depend on it, so lowering it mid-run only recompiles), for mini-batches of `mini_batch_rows` rows."""
+    loss_fn = objective.make_loss_fn(graphdef, dataclasses.replace(loss_cfg, global_rows=mini_batch_rows),
                                      cfg.logprobs.options())
     opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
                                    g.updates_per_step)
@@ -175,12 +175,12 @@ def run(cfg: RunConfig) -> dict:
     return lambda state, batch: jitted(state, batch, setup.frozen)
 
   lr_scale = 1.0
-  updates = {}  # update batch rows -> jitted update at the current lr_scale
+  updates = {}  # mini-batch rows -> jitted update at the current lr_scale
 
   def update(state, batch):
-    n = batch["response"].shape[0] // g.mini_batches
+    n = batch["response"].shape[0]
     if n not in updates:
-      updates[n] = build_update(lr_scale, n * g.mini_batches)
+      updates[n] = build_update(lr_scale, n)
     return updates[n](state, batch)
   logprobs_fn = lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,  # noqa
                                                                    cfg.logprobs.options(), group_size)[0]

@@ -118,6 +118,21 @@ def test_compacted_update_equals_the_masked_one(tmp_path):
     np.testing.assert_allclose(compact[name], masked[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+def test_mini_batch_normaliser_is_the_mini_batch(tmp_path):
+  """seq-mean-token-sum-norm divides each update's token sums by the response length, once per mini-batch (Dr.
+  GRPO): with a negligible learning rate (the samples and on-policy ratios stay those of the first run), two
+  mini-batches' mean pg_loss is half the single batch's, the two halves of the same token sums."""
+  common = ("--config.grpo.agg=seq-mean-token-sum-norm", "--config.optim.lr=1e-12", "--config.train.steps=2",
+            "--config.grpo.eval_examples=0")
+  losses = {}
+  for mb in (1, 2):
+    _run(tmp_path / f"mb{mb}", *common, f"--config.grpo.mini_batches={mb}")
+    losses[mb] = [r["actor/pg_loss"] for r in map(json.loads, open(tmp_path / f"mb{mb}" / "metrics.jsonl"))
+                  if "actor/pg_loss" in r]
+  assert abs(losses[1][-1]) > 1e-3, losses  # a step whose token sums do not cancel
+  np.testing.assert_allclose(losses[2], np.asarray(losses[1]) / 2, rtol=1e-4, atol=1e-6)
+
+
 def test_remax_advantages_subtract_the_greedy_reward():
   # ReMax (Li et al. 2023; verl compute_remax_outcome_advantage): every response token's advantage is the sequence
   # reward minus the reward of the same prompt's greedy response.
