@@ -1,7 +1,7 @@
 """DPO training throughput: jalign vs TRL's DPOTrainer on CPU, with a reference forward per step and with
 precomputed reference log-probs on both sides.
 
-    python benchmarks/dpo_vs_trl.py [--steps 12] [--scan-layers]
+    python benchmarks/dpo_vs_trl.py [--steps 12] [--scan-layers] [--whole-sequences]
 
 Same HF Llama (hidden 256, 4 layers, vocab 4096, fp32, random weights), 8 pairs per step of 128 prompt + 128
 completion tokens (chosen and rejected: 8 x 2 x 256 real tokens), sigmoid loss, beta 0.1, AdamW lr 1e-4, constant
@@ -9,7 +9,9 @@ schedule, clipping at 1.0 on both sides. Reported: real tokens/s, median after 3
 
 jalign runs the 4 layers unrolled (`model.scan_layers=False`, as TRL's eager loop does): on XLA's CPU backend the
 scanned stack fills and reads stacked per-layer buffers (5-10% of a step on average, benchmarks/README.md).
-`--scan-layers` also times the scanned default, for the record.
+`--scan-layers` also times the scanned default, for the record. jalign runs each pair's prompt once under both
+completions (`dpo.share_prompt`, its default: 128 + 2 x 128 positions per pair through the model instead of 2 x 256,
+the same loss); `--whole-sequences` also times it on the two whole sequences per pair, as TRL runs them.
 """
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ def trl_tokens_per_s(path: str, steps: int, precompute: bool) -> float:
   return TOKENS_PER_STEP / statistics.median(times[3:])
 
 
-def jalign_tokens_per_s(path: str, steps: int, precompute: bool, scan_layers: bool = False) -> float:
+def jalign_tokens_per_s(path: str, steps: int, precompute: bool, scan_layers: bool = False,
+                        share_prompt: bool = True) -> float:
   run_dir = tempfile.mkdtemp()
   cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/dpo.py", f"--config.model.path={path}",
          "--config.tokenizer=", f"--config.data.train={path}/pairs.jsonl", "--config.data.eval=",
@@ -90,7 +93,7 @@ def jalign_tokens_per_s(path: str, steps: int, precompute: bool, scan_layers: bo
          "--config.optim.lr=1e-4", "--config.optim.schedule=constant", "--config.optim.warmup_steps=0",
          "--config.optim.clip_norm=1.0", f"--config.run_dir={run_dir}", "--config.checkpoint.every=0",
          "--config.checkpoint.export_hf=False", "--config.log.progress=False", "--config.log.tensorboard=False",
-         f"--config.model.scan_layers={scan_layers}"]
+         f"--config.model.scan_layers={scan_layers}", f"--config.dpo.share_prompt={share_prompt}"]
   subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
   rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   times = [r["perf/step_time_s"] for r in rows if "perf/step_time_s" in r]
@@ -102,6 +105,8 @@ def main():
   p.add_argument("--steps", type=int, default=12)
   p.add_argument("--scan-layers", action="store_true",
                  help="also time jalign with its layers scanned (the configs' default)")
+  p.add_argument("--whole-sequences", action="store_true",
+                 help="also time jalign on two whole sequences per pair (dpo.share_prompt=False), as TRL")
   args = p.parse_args()
   rows = []
   with tempfile.TemporaryDirectory() as path:
@@ -109,14 +114,18 @@ def main():
     for precompute in (False, True):
       j = jalign_tokens_per_s(path, args.steps, precompute)
       t = trl_tokens_per_s(path, args.steps, precompute)
-      scanned = jalign_tokens_per_s(path, args.steps, precompute, scan_layers=True) if args.scan_layers else None
-      rows.append((precompute, j, t, scanned))
+      extra = {}
+      if args.scan_layers:
+        extra["layers scanned"] = jalign_tokens_per_s(path, args.steps, precompute, scan_layers=True)
+      if args.whole_sequences:
+        extra["whole sequences"] = jalign_tokens_per_s(path, args.steps, precompute, share_prompt=False)
+      rows.append((precompute, j, t, extra))
   print(f"DPO, {PAIRS} pairs x ({PROMPT} + {COMPLETION}) tokens, chosen and rejected, CPU; real tokens/s:")
-  for precompute, j, t, scanned in rows:
+  for precompute, j, t, extra in rows:
     label = "precomputed reference" if precompute else "reference forward   "
     line = f"  {label}  jalign {j:7.0f}  TRL {t:7.0f}  jalign/TRL = {j / t:.2f}x"
-    if scanned is not None:
-      line += f"   (layers scanned: {scanned:7.0f}, {scanned / t:.2f}x)"
+    for name, v in extra.items():
+      line += f"   ({name}: {v:7.0f}, {v / t:.2f}x)"
     print(line)
 
 

@@ -45,7 +45,10 @@ def get_config(arg=None):
       # task lowers the chosen log-probs too and loses held-out accuracy.
       loss_type="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, cpo_alpha=1.0, discopop_tau=0.05,
       rpo_alpha=1.0, precompute_ref_logps=False, sync_ref_model=False, ref_model_mixup_alpha=0.6,
-      ref_model_sync_steps=512, eval_prompts="synthetic:arith:test", eval_examples=500, eval_max_new_tokens=16))
+      ref_model_sync_steps=512, eval_prompts="synthetic:arith:test", eval_examples=500, eval_max_new_tokens=16,
+      # Each pair's prompt runs through the model once, under both completions (prefix sharing; False: two whole
+      # sequences per pair, as TRL runs them).
+      share_prompt=True))
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),)))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
   c.checkpoint = ml_collections.ConfigDict(dict(every=300, keep=2, resume=True, export_hf=True, async_save=True,

@@ -232,6 +232,7 @@ class DpoSection:
   desirable_weight: float = 1.0        # KTO (unpaired prompt/completion/label data, or pairs split in two)
   undesirable_weight: float = 1.0
   precompute_ref_logps: bool = False   # one reference pass over the data before training, then no reference forward
+  share_prompt: bool = True            # each pair's prompt runs once, under both completions (prefix sharing)
   sync_ref_model: bool = False         # TR-DPO (Gorbatovski et al. 2024): ref = a * policy + (1 - a) * ref ...
   ref_model_mixup_alpha: float = 0.6
   ref_model_sync_steps: int = 512      # ... every this many steps

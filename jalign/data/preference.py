@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from jalign.data.sft import TooLong, _check_messages, _check_text, _template_spans, _tokens_with_mask
 from jalign.data.sources import DataError
+from jalign.sampling import prompt_bucket
 from jalign.tokenizer import ChatTemplateError, Tokenizer
 
 OPTIONAL_FLOATS = ("margin", "chosen_score", "rejected_score", "ref_chosen_logps", "ref_rejected_logps")
@@ -126,9 +128,19 @@ def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "
   return out
 
 
-def pair_batch(buckets: tuple[int, ...], *, optional: tuple[str, ...] = OPTIONAL_FLOATS) -> Callable:
+def pair_batch(buckets: tuple[int, ...], *, optional: tuple[str, ...] = OPTIONAL_FLOATS,
+               split_prompt: bool = False) -> Callable:
   """Batches pairs right-padded to the smallest bucket that fits the longest sequence of the batch. Missing
-  optional fields become NaN (margin: 0)."""
+  optional fields become NaN (margin: 0).
+
+  `split_prompt`: the split layout instead, for running each prompt once per pair. Every row is the pair's shared
+  prompt (the tokens both sides share before either's first loss token) left-padded to P columns, then that side's
+  completion right-padded to C; P and C are the batch's longest, rounded up like sampling's prompt buckets (at most
+  a fifth padding). `prompt_mask` [B, P] (1 = prompt token) marks the layout and gives P. The rows are still
+  ordinary padded sequences (`segment_ids` 0 on padding, true `positions`), so any consumer may ignore the split."""
+  if split_prompt:
+    return functools.partial(_split_batch, optional=optional)
+
   def batch(examples: list[dict]) -> dict:
     longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in examples)
     length = next((b for b in buckets if b >= longest), buckets[-1])
@@ -140,11 +152,66 @@ def pair_batch(buckets: tuple[int, ...], *, optional: tuple[str, ...] = OPTIONAL
                      for e in examples]).astype(np.int32)
     out = {"tokens": tokens, "loss_mask": mask, "segment_ids": real,
            "positions": np.where(real > 0, np.arange(length), 0).astype(np.int32)}
-    for key in optional:
-      default = 0.0 if key == "margin" else np.nan
-      out[key] = np.asarray([e.get(key, default) for e in examples], np.float32)
+    out.update(_optional_fields(examples, optional))
     return out
   return batch
+
+
+def _optional_fields(examples: list[dict], optional: tuple[str, ...]) -> dict:
+  return {key: np.asarray([e.get(key, 0.0 if key == "margin" else np.nan) for e in examples], np.float32)
+          for key in optional}
+
+
+def shared_prompt_length(example: dict) -> int:
+  """Tokens both sides of an encoded pair share before either side's first loss token."""
+  c, r = example["chosen"], example["rejected"]
+  n = min(_prompt_length(example["chosen_mask"]), _prompt_length(example["rejected_mask"]))
+  differ = np.flatnonzero(c[:n] != r[:n])
+  return int(differ[0]) if differ.size else n
+
+
+def split_width(n: int) -> int:
+  """Columns for a prompt or completion part of `n` tokens: four widths per doubling, at least 8."""
+  return prompt_bucket(n, minimum=8)
+
+
+def _split_batch(examples: list[dict], *, optional: tuple[str, ...], widths: tuple[int, int] | None = None) -> dict:
+  shared = [shared_prompt_length(e) for e in examples]
+  if min(shared) == 0:
+    raise DataError("a pair whose chosen and rejected share no first token cannot share its prompt; set "
+                    "dpo.share_prompt=False")
+  sides = [[(e[k][p:], e[k + "_mask"][p:]) for k in ("chosen", "rejected")] for e, p in zip(examples, shared)]
+  if widths is None:
+    widths = split_width(max(shared)), split_width(max(len(ids) for pair in sides for ids, _ in pair))
+  pw, cw = widths
+  b = len(examples)
+  tokens, loss_mask, real = (np.zeros((b, 2, pw + cw), np.int32) for _ in range(3))
+  positions = np.zeros((b, 2, pw + cw), np.int32)
+  for i, (e, p, pair) in enumerate(zip(examples, shared, sides)):
+    tokens[i, :, pw - p:pw] = e["chosen"][:p]
+    real[i, :, pw - p:pw] = 1
+    positions[i, :, pw - p:pw] = np.arange(p)
+    for s, (ids, mask) in enumerate(pair):
+      n = len(ids)
+      tokens[i, s, pw:pw + n], loss_mask[i, s, pw:pw + n], real[i, s, pw:pw + n] = ids, mask, 1
+      positions[i, s, pw:pw + n] = p + np.arange(n)
+  out = {"tokens": tokens, "loss_mask": loss_mask, "segment_ids": real, "positions": positions,
+         "prompt_mask": real[:, 0, :pw].copy()}
+  out.update(_optional_fields(examples, optional))
+  return out
+
+
+def widen_split(batch: dict, prompt_width: int, completion_width: int) -> dict:
+  """A split-layout batch padded out to wider prompt (on the left) and completion (on the right) parts, so that
+  processes whose local batches came out narrower agree on one global shape."""
+  pw = batch["prompt_mask"].shape[1]
+  cw = batch["tokens"].shape[2] - pw
+  if (pw, cw) == (prompt_width, completion_width):
+    return batch
+  pad = ((0, 0), (0, 0), (prompt_width - pw, completion_width - cw))
+  out = {k: np.pad(batch[k], pad) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
+  out["prompt_mask"] = np.pad(batch["prompt_mask"], ((0, 0), (prompt_width - pw, 0)))
+  return {**batch, **out}
 
 
 # ------------------------------------------------------------------------------------------ checks before training

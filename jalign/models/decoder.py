@@ -281,6 +281,32 @@ class Decoder(nnx.Module):
         x, _ = body(x, jax.tree.map(lambda a: a[i], xs))
     return rms_norm(x, self.final_norm[...], cfg), None
 
+  def response_hidden(self, tokens_NxT, *, segment_ids, positions, response_len: int, group_size: int = 0,
+                      dropout_rng: jax.Array | None = None) -> jax.Array:
+    """Hidden states [N, R, D] that predict each row's last R = `response_len` columns (the prompt's last one,
+    then the response's own). Rows are a prompt left-padded to T - R columns, then a response right-padded to R.
+
+    `group_size` > 1: rows i*g .. i*g+g-1 share one prompt (a GRPO group's samples, a DPO pair's chosen and
+    rejected). The prompt then runs once per group and its keys/values are repeated under the group's responses,
+    which run on top of them as on a decoding cache: the same values (up to rounding) for a fraction of the work
+    when prompts are long next to responses. Not with dropout or remat (the cached path runs neither): those
+    take the whole rows."""
+    r = response_len
+    p = tokens_NxT.shape[1] - r
+    if group_size <= 1 or dropout_rng is not None or self.cfg.remat != "none":
+      hidden, _ = self.forward(tokens_NxT, segment_ids=segment_ids, positions=positions, dropout_rng=dropout_rng)
+      return hidden[:, p - 1:p + r - 1]
+    g = group_size
+    cache = KVCache.init(self.cfg, tokens_NxT.shape[0] // g, p + r - 1)
+    prompt_hidden, cache = self.forward(tokens_NxT[::g, :p], segment_ids=segment_ids[::g, :p],
+                                        positions=positions[::g, :p], cache=cache)
+    first = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)
+    if r == 1:
+      return first
+    rest, _ = self.forward(tokens_NxT[:, p:p + r - 1], segment_ids=segment_ids[:, p:p + r - 1],
+                           positions=positions[:, p:p + r - 1], cache=cache.repeat(g))
+    return jnp.concatenate([first, rest], axis=1)
+
   def logits(self, hidden_BxTxD) -> jax.Array:
     logits = _dense(hidden_BxTxD, self.unembed().astype(hidden_BxTxD.dtype)).astype(jnp.float32)
     if self.cfg.final_softcap is not None:  # Gemma 2

@@ -31,14 +31,21 @@ class DpoLossConfig:
 
 
 def sequence_logps(graphdef, params, batch: dict, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
-  """(summed completion log-probs [B, 2], completion token counts [B, 2], per-token log-probs [2B, L] with their
-  weights) of a pair batch under the model at `params`."""
+  """(summed completion log-probs [B, 2], completion token counts [B, 2], per-token log-probs [2B, L'] with their
+  weights) of a pair batch under the model at `params`. A batch in the split layout (`prompt_mask`, see
+  `data.preference.pair_batch`) runs each pair's prompt once, under both completions."""
   b, two, length = batch["tokens"].shape
   flat = {k: batch[k].reshape(b * two, length) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
   lm = nnx.merge(graphdef, params)
-  hidden, _ = lm.forward(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"],
-                         dropout_rng=batch.get("dropout_rng"))
-  targets, weights = targets_and_weights(flat)
+  if "prompt_mask" in batch:
+    p = batch["prompt_mask"].shape[1]
+    hidden = lm.response_hidden(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"],
+                                response_len=length - p, group_size=two, dropout_rng=batch.get("dropout_rng"))
+    targets, weights = flat["tokens"][:, p:], flat["loss_mask"][:, p:].astype(jnp.float32)
+  else:
+    hidden, _ = lm.forward(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"],
+                           dropout_rng=batch.get("dropout_rng"))
+    targets, weights = targets_and_weights(flat)
   logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap,
                                       **logprobs.kwargs())
   sums = jnp.sum(logp * weights, axis=-1).reshape(b, two)

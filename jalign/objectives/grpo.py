@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jalign import kernels
-from jalign.models.decoder import KVCache
 from jalign.losses import policy
 
 
@@ -36,39 +35,17 @@ class GrpoLossConfig:
 
 def response_logprobs(graphdef, params, batch: dict, temperature: float,
                       logprobs: kernels.LogprobOptions = kernels.LogprobOptions(), group_size: int = 0):
-  """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`.
-
-  `group_size` > 1: rows i*g .. i*g+g-1 share one prompt (as sampled: each prompt's samples in a row). The prompt
-  then runs through the model once per group and its keys/values are repeated over the group's responses, which
-  run on top of them as on a decoding cache: the same values (up to rounding) for a fraction of the work when
-  prompts are long next to responses. Not with LoRA dropout or remat (the cached path runs neither)."""
+  """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`. `group_size` > 1: rows
+  i*g .. i*g+g-1 share one prompt (as sampled: each prompt's samples in a row), which then runs through the model
+  once per group (`Decoder.response_hidden`)."""
   lm = nnx.merge(graphdef, params)
-  r = batch["response"].shape[1]
-  p = batch["tokens"].shape[1] - r
-  if group_size > 1 and batch.get("dropout_rng") is None and lm.cfg.remat == "none":
-    hidden = _shared_prompt_hidden(lm, batch, p, r, group_size)
-  else:
-    hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                           dropout_rng=batch.get("dropout_rng"))
-    hidden = hidden[:, p - 1:p + r - 1]
+  hidden = lm.response_hidden(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                              response_len=batch["response"].shape[1], group_size=group_size,
+                              dropout_rng=batch.get("dropout_rng"))
   logp, entropy, _ = kernels.token_logprobs(hidden, lm.unembed(), batch["response"],
                                             temperature=temperature, softcap=lm.cfg.final_softcap,
                                             **logprobs.kwargs())
   return logp, entropy
-
-
-def _shared_prompt_hidden(lm, batch: dict, p: int, r: int, g: int) -> jax.Array:
-  """Hidden states [N, R, D] that predict the response tokens: the prompt's last one, then responses[:, :-1]."""
-  tokens, segment, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
-  cache = KVCache.init(lm.cfg, tokens.shape[0] // g, p + r - 1)
-  prompt_hidden, cache = lm.forward(tokens[::g, :p], segment_ids=segment[::g, :p], positions=positions[::g, :p],
-                                    cache=cache)
-  first = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)
-  if r == 1:
-    return first
-  rest, _ = lm.forward(tokens[:, p:p + r - 1], segment_ids=segment[:, p:p + r - 1],
-                       positions=positions[:, p:p + r - 1], cache=cache.repeat(g))
-  return jnp.concatenate([first, rest], axis=1)
 
 
 def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):

@@ -78,6 +78,10 @@ class Task:
   def start(self, setup: Setup) -> None:
     """Called once after the model is built and before any checkpoint is restored (the initial policy)."""
 
+  def global_batch(self, local: dict, sharding) -> dict:
+    """A process-local host batch -> the global device batch (every process's local batch has the same shapes)."""
+    return global_batch(local, sharding)
+
   def prepare(self, params, batch: dict) -> dict:
     """Device batch -> device batch, before every train and eval step (e.g. reference log-probs)."""
     return batch
@@ -262,7 +266,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
       local = next(train_it)
       records = pipeline.records_of(local)
       tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
-      batch = task.prepare(s.full(state.params), global_batch(local, batch_sharding))
+      batch = task.prepare(s.full(state.params), task.global_batch(local, batch_sharding))
       state, dev_metrics = jitted(state, batch, s.frozen)
       step += 1
       task.after_step(step, s.full(state.params))
@@ -314,7 +318,7 @@ def _make_eval_loss(cfg: RunConfig, s: Setup, task: Task, encode_fn, batch_shard
       rows = rows or len(local["tokens"])
       if len(local["tokens"]) != rows or rows % dp_local:
         break  # a short final batch would not split over the mesh
-      l, w, m = jax.device_get(sums_fn(params, task.prepare(params, global_batch(local, batch_sharding))))
+      l, w, m = jax.device_get(sums_fn(params, task.prepare(params, task.global_batch(local, batch_sharding))))
       total, weight = total + float(l), weight + float(w)
       for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + float(v)

@@ -89,6 +89,31 @@ def test_batch_holds_whole_pairs(tok):
   assert np.isnan(b["ref_chosen_logps"]).all()
 
 
+def test_split_layout_holds_the_same_sequences(tok):
+  """The split layout (shared prompt left-padded to P, completions right-padded) carries each side's tokens, loss
+  mask and positions in order, the prompt once per pair marked by `prompt_mask`."""
+  longer = {**PLAIN, "prompt": PLAIN["prompt"] + " Think.", "rejected": PLAIN["rejected"] + " or so"}
+  examples = [preference.encode(r, tok, max_length=64) for r in (PLAIN, longer, {**PLAIN, "margin": 0.5})]
+  b = preference.pair_batch((64,), split_prompt=True)(examples)
+  shared = [preference.shared_prompt_length(e) for e in examples]
+  assert shared == [len(tok.encode(r["prompt"])) for r in (PLAIN, longer, PLAIN)]
+  pw = b["prompt_mask"].shape[1]
+  assert pw == preference.split_width(max(shared)) and b["tokens"].shape[:2] == (3, 2)
+  for i, e in enumerate(examples):
+    assert b["prompt_mask"][i].tolist() == [0] * (pw - shared[i]) + [1] * shared[i]
+    for s, side in enumerate(("chosen", "rejected")):
+      real = b["segment_ids"][i, s] == 1
+      np.testing.assert_array_equal(b["tokens"][i, s][real], e[side])
+      np.testing.assert_array_equal(b["loss_mask"][i, s][real], e[side + "_mask"])
+      np.testing.assert_array_equal(b["positions"][i, s][real], np.arange(len(e[side])))
+      assert (np.diff(real[pw:].astype(int)) <= 0).all()  # completions right-padded
+  np.testing.assert_array_equal(b["margin"], [0.0, 0.0, 0.5])
+  wide = preference.widen_split(b, pw + 3, b["tokens"].shape[2] - pw + 2)
+  assert wide["prompt_mask"].shape[1] == pw + 3 and wide["tokens"].shape[2] == b["tokens"].shape[2] + 5
+  for k in ("tokens", "loss_mask", "positions"):
+    np.testing.assert_array_equal(wide[k][wide["segment_ids"] == 1], b[k][b["segment_ids"] == 1])
+
+
 def test_pipeline_batches_pairs(tmp_path, tok):
   path = _write_jsonl(tmp_path / "p.jsonl", [CONV] * 6)
   encode = functools.partial(preference.encode, tok=tok, max_length=64)

@@ -66,19 +66,46 @@ def test_dpo_loss_matches_trl_dpo_trainer(tmp_path):
   reference = transformers.AutoModelForCausalLM.from_pretrained(path)
   Recorder(model=policy, ref_model=reference, args=args, train_dataset=ds, processing_class=tok).train()
 
-  run_dir = str(tmp_path / "jalign")
-  cfg = run_config("dpo", model__path=path, data__train=_data(tmp_path), data__eval="", data__max_length=64,
-                   train__seq_len=64, train__steps=steps, train__batch_size=8, train__log_every=1, optim__lr=lr,
-                   optim__schedule="constant", optim__warmup_steps=0, optim__clip_norm=0.0, optim__weight_decay=0.0,
-                   optim__b2=0.999, dpo__eval_prompts="", dpo__rpo_alpha=0.0, checkpoint__export_hf=False,
-                   checkpoint__every=0,
-                   run_dir=run_dir, **QUIET)
-  dpo_task.run(cfg)
-  ours = [m["train/loss"] for m in _metrics(run_dir) if "train/loss" in m]
-  assert len(trl_losses) == steps and len(ours) == steps
-  assert ours[0] == pytest.approx(np.log(2), abs=1e-6) and trl_losses[0] == pytest.approx(np.log(2), abs=1e-6)
-  np.testing.assert_allclose(ours, trl_losses, rtol=2e-4, atol=2e-5)
-  assert ours[-1] < ours[0] - 2e-3  # the losses moved: the comparison is not of constants
+  assert len(trl_losses) == steps and trl_losses[0] == pytest.approx(np.log(2), abs=1e-6)
+  for share_prompt in (True, False):  # each pair's prompt once (the default), or both whole sequences
+    run_dir = str(tmp_path / f"jalign_{share_prompt}")
+    cfg = run_config("dpo", model__path=path, data__train=_data(tmp_path), data__eval="", data__max_length=64,
+                     train__seq_len=64, train__steps=steps, train__batch_size=8, train__log_every=1, optim__lr=lr,
+                     optim__schedule="constant", optim__warmup_steps=0, optim__clip_norm=0.0,
+                     optim__weight_decay=0.0, optim__b2=0.999, dpo__eval_prompts="", dpo__rpo_alpha=0.0,
+                     dpo__share_prompt=share_prompt, checkpoint__export_hf=False, checkpoint__every=0,
+                     run_dir=run_dir, **QUIET)
+    dpo_task.run(cfg)
+    ours = [m["train/loss"] for m in _metrics(run_dir) if "train/loss" in m]
+    assert len(ours) == steps and ours[0] == pytest.approx(np.log(2), abs=1e-6)
+    np.testing.assert_allclose(ours, trl_losses, rtol=2e-4, atol=2e-5)
+    assert ours[-1] < ours[0] - 2e-3  # the losses moved: the comparison is not of constants
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_shared_prompt_logps_equal_whole_sequences(tmp_path, remat):
+  """Split-layout log-probs and their gradients equal those of the whole right-padded sequences (remat takes the
+  whole rows, the cached prompt path does not run under it)."""
+  from flax import nnx
+
+  from jalign import models
+  from jalign.data import preference
+  from jalign.objectives import dpo as dpo_objective
+
+  _, path = _hf_llama(tmp_path)
+  lm = models.from_pretrained(path, remat=remat)
+  tok = tokenizer.load(path)
+  examples = [preference.encode(r, tok, max_length=64) for r in PAIRS]
+  flat = preference.pair_batch((64,))(examples)
+  split = preference.pair_batch((64,), split_prompt=True)(examples)
+  assert split["tokens"].shape[2] < flat["tokens"].shape[2]
+  graphdef, params = nnx.split(lm)
+  value_grad = jax.jit(jax.value_and_grad(lambda p, b: dpo_objective.sequence_logps(graphdef, p, b)[0].sum()))
+  sums = lambda b: np.asarray(dpo_objective.sequence_logps(graphdef, params, b)[0])  # noqa: E731
+  np.testing.assert_allclose(sums(split), sums(flat), rtol=1e-5, atol=1e-5)
+  (_, g_split), (_, g_flat) = value_grad(params, split), value_grad(params, flat)
+  for a, b in zip(jax.tree.leaves(g_split), jax.tree.leaves(g_flat)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
 
 
 def test_reward_model_exports_hf_sequence_classifier(tmp_path):
