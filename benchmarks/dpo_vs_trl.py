@@ -71,12 +71,14 @@ def trl_tokens_per_s(path: str, steps: int, precompute: bool) -> float:
   model = transformers.AutoModelForCausalLM.from_pretrained(path)
   ref = transformers.AutoModelForCausalLM.from_pretrained(path)
   tok = transformers.AutoTokenizer.from_pretrained(path)
+  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on this AVX2-only CPU,
+  # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
     args = DPOConfig(output_dir=out, per_device_train_batch_size=PAIRS, max_steps=steps, learning_rate=1e-4,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.1,
                      optim="adamw_torch", max_length=PROMPT + COMPLETION, logging_steps=10_000, save_strategy="no",
                      report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0,
-                     precompute_ref_log_probs=precompute)
+                     precompute_ref_log_probs=precompute, bf16=False)
     DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=ds, processing_class=tok,
                callbacks=[Timer()]).train()
   return TOKENS_PER_STEP / statistics.median(times[3:])

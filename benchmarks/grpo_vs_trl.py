@@ -67,11 +67,14 @@ def trl_seconds(path: str, steps: int) -> list[float]:
   ds = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
   model = transformers.AutoModelForCausalLM.from_pretrained(path)
   tok = transformers.AutoTokenizer.from_pretrained(path)
+  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on this AVX2-only CPU,
+  # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * GENERATIONS,
                       num_generations=GENERATIONS, max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.001,
                       learning_rate=1e-4, max_steps=steps, logging_steps=10_000, save_strategy="no", report_to=[],
-                      use_cpu=True, use_vllm=False, dataloader_num_workers=0, seed=0, num_iterations=1)
+                      use_cpu=True, use_vllm=False, dataloader_num_workers=0, seed=0, num_iterations=1,
+                      bf16=False)
     GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
                 callbacks=[Timer()]).train()
   return times

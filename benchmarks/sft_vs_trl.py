@@ -73,12 +73,14 @@ def trl_tokens_per_s(records, batch_size: int, max_length: int, steps: int, warm
   tok = transformers.PreTrainedTokenizerFast(tokenizer_object=_dummy_tokenizer(), pad_token="<pad>",
                                              eos_token="<eos>")
   ds = datasets.Dataset.from_dict({"input_ids": records})
+  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on this AVX2-only CPU,
+  # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
     args = SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, max_steps=steps, learning_rate=LR,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
                      adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", max_length=max_length,
                      logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True,
-                     dataloader_num_workers=0, dataset_num_proc=None, seed=0)
+                     dataloader_num_workers=0, dataset_num_proc=None, seed=0, bf16=False)
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
 
     real = trainer.compute_loss

@@ -56,10 +56,12 @@ def test_dpo_loss_matches_trl_dpo_trainer(tmp_path):
       trl_losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
       return loss
 
+  # bf16=False: TRL's default autocasts to bf16 on CPU; the reference is fp32 like jalign.
   args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=steps, learning_rate=lr,
                    lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, beta=0.1,
                    adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", logging_steps=1,
-                   save_strategy="no", report_to=[], use_cpu=True, max_length=64, seed=0, dataloader_num_workers=0)
+                   save_strategy="no", report_to=[], use_cpu=True, max_length=64, seed=0, dataloader_num_workers=0,
+                   bf16=False)
   ds = datasets.Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in PAIRS])
   tok = transformers.AutoTokenizer.from_pretrained(path)
   policy = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -206,7 +208,8 @@ def test_kto_loss_matches_trl_kto_trainer(tmp_path):
   args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=steps, learning_rate=lr,
                    lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, beta=0.1,
                    adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", logging_steps=1,
-                   save_strategy="no", report_to=[], use_cpu=True, max_length=64, seed=0, dataloader_num_workers=0)
+                   save_strategy="no", report_to=[], use_cpu=True, max_length=64, seed=0, dataloader_num_workers=0,
+                   bf16=False)
   policy = transformers.AutoModelForCausalLM.from_pretrained(path)
   reference = transformers.AutoModelForCausalLM.from_pretrained(path)
   Recorder(model=policy, ref_model=reference, args=args, train_dataset=datasets.Dataset.from_list(examples),
