@@ -175,15 +175,13 @@ def split_width(n: int) -> int:
   return prompt_bucket(n, minimum=8)
 
 
-def _split_batch(examples: list[dict], *, optional: tuple[str, ...], widths: tuple[int, int] | None = None) -> dict:
+def _split_batch(examples: list[dict], *, optional: tuple[str, ...]) -> dict:
   shared = [shared_prompt_length(e) for e in examples]
   if min(shared) == 0:
     raise DataError("a pair whose chosen and rejected share no first token cannot share its prompt; set "
                     "dpo.share_prompt=False")
   sides = [[(e[k][p:], e[k + "_mask"][p:]) for k in ("chosen", "rejected")] for e, p in zip(examples, shared)]
-  if widths is None:
-    widths = split_width(max(shared)), split_width(max(len(ids) for pair in sides for ids, _ in pair))
-  pw, cw = widths
+  pw, cw = split_width(max(shared)), split_width(max(len(ids) for pair in sides for ids, _ in pair))
   b = len(examples)
   tokens, loss_mask, real = (np.zeros((b, 2, pw + cw), np.int32) for _ in range(3))
   positions = np.zeros((b, 2, pw + cw), np.int32)
