@@ -48,7 +48,7 @@ def test_sft_config_reproduces_the_shipped_policy(tmp_path):
   print(f"max |weight difference| vs shipped: {drift:.3g}; held-out exact match {acc} (shipped: "
         f"{recorded['eval/exact_match']})")
   if drift < 0.05:  # a CPU that rounds as the recording one did: the same policy
-    assert abs(acc - recorded["eval/exact_match"]) <= 0.03
+    assert abs(acc - recorded["eval/exact_match"]) <= 0.05
   else:
     # A CPU whose kernels round differently (another vector width): 1500 steps of this recipe, still climbing
     # steeply at its end, carry that elsewhere (a rounding change alone once ended it at 49.8%; benchmarks/README.md).
