@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 from typing import Callable
 
@@ -128,19 +127,9 @@ def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "
   return out
 
 
-def pair_batch(buckets: tuple[int, ...], *, optional: tuple[str, ...] = OPTIONAL_FLOATS,
-               split_prompt: bool = False) -> Callable:
+def pair_batch(buckets: tuple[int, ...], *, optional: tuple[str, ...] = OPTIONAL_FLOATS) -> Callable:
   """Batches pairs right-padded to the smallest bucket that fits the longest sequence of the batch. Missing
-  optional fields become NaN (margin: 0).
-
-  `split_prompt`: the split layout instead, for running each prompt once per pair. Every row is the pair's shared
-  prompt (the tokens both sides share before either's first loss token) left-padded to P columns, then that side's
-  completion right-padded to C; P and C are the batch's longest, rounded up like sampling's prompt buckets (at most
-  a fifth padding). `prompt_mask` [B, P] (1 = prompt token) marks the layout and gives P. The rows are still
-  ordinary padded sequences (`segment_ids` 0 on padding, true `positions`), so any consumer may ignore the split."""
-  if split_prompt:
-    return functools.partial(_split_batch, optional=optional)
-
+  optional fields become NaN (margin: 0)."""
   def batch(examples: list[dict]) -> dict:
     longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in examples)
     length = next((b for b in buckets if b >= longest), buckets[-1])
@@ -175,7 +164,12 @@ def split_width(n: int) -> int:
   return prompt_bucket(n, minimum=8)
 
 
-def _split_batch(examples: list[dict], *, optional: tuple[str, ...]) -> dict:
+def split_pair_batch(examples: list[dict], *, optional: tuple[str, ...] = OPTIONAL_FLOATS) -> dict:
+  """Pairs in the split layout, for running each prompt once per pair. Every row is the pair's shared prompt (the
+  tokens both sides share before either's first loss token) left-padded to P columns, then that side's completion
+  right-padded to C; P and C are the batch's longest, rounded up by `split_width`. `prompt_mask` [B, P] (1 = prompt
+  token) marks the layout and gives P. The rows are still ordinary padded sequences (`segment_ids` 0 on padding,
+  true `positions`), so any consumer may ignore the split. Missing optional fields as in `pair_batch`."""
   shared = [shared_prompt_length(e) for e in examples]
   if min(shared) == 0:
     raise DataError("a pair whose chosen and rejected share no first token cannot share its prompt; set "

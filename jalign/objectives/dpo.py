@@ -33,7 +33,7 @@ class DpoLossConfig:
 def sequence_logps(graphdef, params, batch: dict, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   """(summed completion log-probs [B, 2], completion token counts [B, 2], per-token log-probs [2B, L'] with their
   weights) of a pair batch under the model at `params`. A batch in the split layout (`prompt_mask`, see
-  `data.preference.pair_batch`) runs each pair's prompt once, under both completions."""
+  `data.preference.split_pair_batch`) runs each pair's prompt once, under both completions."""
   b, two, length = batch["tokens"].shape
   flat = {k: batch[k].reshape(b * two, length) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
   lm = nnx.merge(graphdef, params)

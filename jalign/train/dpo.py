@@ -63,7 +63,7 @@ class DpoTask(PreferenceTask):
     if self.kto:
       self.batch_fn = preference.kto_batch(self.buckets)
     elif p.share_prompt:  # prefix sharing (Wang & Hegde 2024): the prompt's forward and backward once per pair
-      self.batch_fn = preference.pair_batch(self.buckets, split_prompt=True)
+      self.batch_fn = preference.split_pair_batch
     self.reference = None
     self.stored_logps = False   # batches carry reference log-probs: no reference forward per step
     self.initial_accuracy: float | None = None

@@ -94,7 +94,7 @@ def test_split_layout_holds_the_same_sequences(tok):
   mask and positions in order, the prompt once per pair marked by `prompt_mask`."""
   longer = {**PLAIN, "prompt": PLAIN["prompt"] + " Think.", "rejected": PLAIN["rejected"] + " or so"}
   examples = [preference.encode(r, tok, max_length=64) for r in (PLAIN, longer, {**PLAIN, "margin": 0.5})]
-  b = preference.pair_batch((64,), split_prompt=True)(examples)
+  b = preference.split_pair_batch(examples)
   shared = [preference.shared_prompt_length(e) for e in examples]
   assert shared == [len(tok.encode(r["prompt"])) for r in (PLAIN, longer, PLAIN)]
   pw = b["prompt_mask"].shape[1]

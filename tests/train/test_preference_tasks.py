@@ -99,7 +99,7 @@ def test_shared_prompt_logps_equal_whole_sequences(tmp_path, remat):
   tok = tokenizer.load(path)
   examples = [preference.encode(r, tok, max_length=64) for r in PAIRS]
   flat = preference.pair_batch((64,))(examples)
-  split = preference.pair_batch((64,), split_prompt=True)(examples)
+  split = preference.split_pair_batch(examples)
   assert split["tokens"].shape[2] < flat["tokens"].shape[2]
   graphdef, params = nnx.split(lm)
   value_grad = jax.jit(jax.value_and_grad(lambda p, b: dpo_objective.sequence_logps(graphdef, p, b)[0].sum()))
