@@ -31,6 +31,7 @@ def test_shipped_policy_loads_and_solves_some_but_not_all():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 minutes alone on 2 AVX2 cores: `python -m pytest -m long`
 def test_sft_config_reproduces_the_shipped_policy(tmp_path):
   # As a user runs it: one CPU device (the test session's 8 fake devices would change the arithmetic's order).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
