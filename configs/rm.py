@@ -39,7 +39,8 @@ def get_config(arg=None):
   c.optim = ml_collections.ConfigDict(dict(
       lr=3e-4, schedule="cosine", warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
       clip_norm=1.0))
-  c.rm = ml_collections.ConfigDict(dict(head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01))
+  c.rm = ml_collections.ConfigDict(dict(head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01,
+                                        share_prompt=True))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
   c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, resume=True, export_hf=True, async_save=True,
                                               preempt_grace_s=30.0))

@@ -211,6 +211,7 @@ class RewardModelSection:
   head_bias: bool = False              # HF *ForSequenceClassification has none; export needs linear, no bias
   mlp_size: int = 0                    # mlp head width; 0 = hidden size
   center_rewards_coefficient: float = 0.0   # TRL: + coef * (r_c + r_r)^2 (Eisenstein et al. 2023); 0 = off
+  share_prompt: bool = True            # each pair's prompt runs once, under both completions (prefix sharing)
 
 
 # Advantage estimators whose values for one group depend on that group's samples alone (no batch whitening, no

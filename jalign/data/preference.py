@@ -173,7 +173,7 @@ def split_pair_batch(examples: list[dict], *, optional: tuple[str, ...] = OPTION
   shared = [shared_prompt_length(e) for e in examples]
   if min(shared) == 0:
     raise DataError("a pair whose chosen and rejected share no first token cannot share its prompt; set "
-                    "dpo.share_prompt=False")
+                    "dpo.share_prompt=False (rm.share_prompt=False for a reward model)")
   sides = [[(e[k][p:], e[k + "_mask"][p:]) for k in ("chosen", "rejected")] for e, p in zip(examples, shared)]
   pw, cw = split_width(max(shared)), split_width(max(len(ids) for pair in sides for ids, _ in pair))
   b = len(examples)

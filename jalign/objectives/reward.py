@@ -56,11 +56,21 @@ class RewardLossConfig:
 
 
 def pair_scores(rm: RewardModel, batch: dict) -> jax.Array:
-  """[B, 2] scores (chosen, rejected) of a preference batch laid out [B, 2, L]."""
+  """[B, 2] scores (chosen, rejected) of a preference batch laid out [B, 2, L]. A batch in the split layout
+  (`prompt_mask`, see `data.preference.split_pair_batch`) runs each pair's prompt once, under both completions."""
   b, two, length = batch["tokens"].shape
-  flat = lambda x: x.reshape(b * two, length)
-  return rm.score(flat(batch["tokens"]), flat(batch["segment_ids"]), flat(batch["positions"]),
-                  batch.get("dropout_rng")).reshape(b, two)
+  flat = {k: batch[k].reshape(b * two, length) for k in ("tokens", "segment_ids", "positions")}
+  if "prompt_mask" not in batch:
+    return rm.score(flat["tokens"], flat["segment_ids"], flat["positions"], batch.get("dropout_rng")).reshape(b, two)
+  p = batch["prompt_mask"].shape[1]
+  # One padding column on the right, so that the states read cover the completion's last column too.
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))  # noqa: E731
+  hidden = rm.backbone.response_hidden(pad(flat["tokens"]), segment_ids=pad(flat["segment_ids"]),
+                                       positions=pad(flat["positions"]), response_len=length - p + 1,
+                                       group_size=two, dropout_rng=batch.get("dropout_rng"))
+  last = last_token_index(flat["segment_ids"][:, p:]) + 1  # hidden[:, j] is column p - 1 + j
+  hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+  return rm.head(hidden_last)[:, 0].reshape(b, two)
 
 
 def make_loss_fn(graphdef, cfg: RewardLossConfig):

@@ -15,7 +15,6 @@ import os
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from flax import nnx
 
 from jalign import parallel
@@ -141,13 +140,6 @@ class DpoTask(PreferenceTask):
       chosen[index] = np.concatenate([o[0] for o in outs])
       rejected[index] = np.concatenate([o[1] for o in outs])
     return chosen, rejected
-
-  def global_batch(self, local: dict, sharding) -> dict:
-    if "prompt_mask" in local and jax.process_count() > 1:  # local split widths differ: agree on the widest
-      pw = local["prompt_mask"].shape[1]
-      widths = multihost_utils.process_allgather(np.asarray([pw, local["tokens"].shape[2] - pw])).max(0)
-      local = preference.widen_split(local, int(widths[0]), int(widths[1]))
-    return loop.global_batch(local, sharding)
 
   def prepare(self, params, batch: dict) -> dict:
     if self.reference is None or self.stored_logps:

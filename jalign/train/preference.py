@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jalign import parallel
 from jalign.parallel import distributed
@@ -66,6 +68,13 @@ class PreferenceTask(loop.Task):
 
   def wrap_source(self, spec: str, source):
     return source
+
+  def global_batch(self, local: dict, sharding) -> dict:
+    if "prompt_mask" in local and jax.process_count() > 1:  # local split widths differ: agree on the widest
+      pw = local["prompt_mask"].shape[1]
+      widths = multihost_utils.process_allgather(np.asarray([pw, local["tokens"].shape[2] - pw])).max(0)
+      local = preference.widen_split(local, int(widths[0]), int(widths[1]))
+    return loop.global_batch(local, sharding)
 
   def examples(self, spec: str, limit: int = 0) -> list[dict]:
     """Encoded pairs of `spec` (the first `limit`; 0 = all), skipping those the pipeline would skip."""

@@ -7,13 +7,13 @@ pairwise accuracy, mean margin, and Spearman / Kendall correlation of the scores
 """
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 from flax import nnx
 
 from jalign import models
 from jalign.config import RunConfig
+from jalign.data import preference
 from jalign.eval import ranking
 from jalign.objectives import reward as objective
 from jalign.train import loop
@@ -41,6 +41,11 @@ def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
 
 
 class RewardTask(PreferenceTask):
+  def __init__(self, cfg: RunConfig):
+    super().__init__(cfg)
+    if cfg.rm.share_prompt:  # prefix sharing: the prompt's forward and backward once per pair
+      self.batch_fn = preference.split_pair_batch
+
   def load_model(self, cfg, mesh):
     return load_reward_model(cfg, mesh)
 

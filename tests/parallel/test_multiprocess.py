@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jalign.train import dpo as dpo_task, grpo, sft as sft_task
+from jalign.train import dpo as dpo_task, grpo, reward as reward_task, sft as sft_task
 from tests.configs_util import ROOT, run_config
 
 QUIET = dict(log__progress=False, log__tensorboard=False, checkpoint__async_save=False)
 COMMON = {  # per task: unpacked rows (each process reads every other record: the same global batch) and no evals
     "sft": dict(data__packing=False, data__eval="", mesh__shape=(1, 4, 1), train__batch_size=8),
     "dpo": dict(data__eval="", dpo__eval_prompts="", mesh__shape=(1, 4, 1), train__batch_size=8),
+    "rm": dict(data__eval="", mesh__shape=(1, 4, 1), train__batch_size=8),
     "grpo": dict(grpo__eval_prompts="", mesh__shape=(1, 4, 1)),
 }
-RUN = {"sft": sft_task.run, "dpo": dpo_task.run, "grpo": grpo.run}
+RUN = {"sft": sft_task.run, "dpo": dpo_task.run, "rm": reward_task.run, "grpo": grpo.run}
 
 
 def _flag(key: str, value) -> str:
@@ -109,9 +110,10 @@ def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("task,keys", [
     ("dpo", ("train/loss", "rewards/margins", "logps/chosen")),
+    ("rm", ("train/loss", "rewards/chosen", "margin")),
     ("grpo", ("actor/loss", "actor/kl_loss", "critic/score/mean", "response_length/mean")),
 ])
-def test_dpo_and_grpo_two_processes_equal_one(task, keys, tmp_path):
+def test_preference_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   """GRPO: both processes generate the same rollouts on the global mesh, gather and score them identically."""
   settings = dict(train__steps=2, train__log_every=1)
   _one_process(task, str(tmp_path / "one"), **settings)

@@ -139,9 +139,40 @@ def test_reward_model_exports_hf_sequence_classifier(tmp_path):
   reloaded = run_config("rm", model__path=hf_dir, run_dir=str(tmp_path / "again"))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
   rm = reward_task.load_reward_model(reloaded, mesh)
-  ours = np.asarray(pair_scores(rm, {k: jax.numpy.asarray(v) for k, v in batch.items()})).reshape(16)
-  np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4)
+  # whole right-padded rows, and each pair's prompt run once (the split layout training uses by default)
+  for layout in (batch, preference.split_pair_batch(examples)):
+    ours = np.asarray(pair_scores(rm, {k: jax.numpy.asarray(v) for k, v in layout.items()})).reshape(16)
+    np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4)
   assert np.std(ours) > 1e-3  # a trained, non-constant head
+
+
+def test_shared_prompt_reward_gradients_equal_whole_sequences(tmp_path):
+  """The reward model's Bradley-Terry gradients on the split layout equal those on whole right-padded rows,
+  completions of different lengths included (the score is read at each row's own last token)."""
+  from flax import nnx
+
+  from jalign.data import preference
+  from jalign.objectives import reward as reward_objective
+
+  _, path = _hf_llama(tmp_path)
+  cfg = run_config("rm", model__path=path, run_dir=str(tmp_path / "rm"))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  rm = reward_task.load_reward_model(cfg, mesh)
+  tok = tokenizer.load(path)
+  records = [dict(r, rejected=[{"role": "assistant", "content": "#### 1234567"}]) if i % 3 == 0 else r
+             for i, r in enumerate(PAIRS)]
+  examples = [preference.encode(r, tok, max_length=64) for r in records]
+  flat = {k: jax.numpy.asarray(v) for k, v in preference.pair_batch((64,))(examples).items()}
+  split = {k: jax.numpy.asarray(v) for k, v in preference.split_pair_batch(examples).items()}
+  assert split["tokens"].shape[2] < flat["tokens"].shape[2]
+  assert len({int(n) for n in np.asarray(split["segment_ids"]).sum(-1).reshape(-1)}) > 1  # ragged completions
+  graphdef, params = nnx.split(rm)
+  loss_fn = reward_objective.make_loss_fn(graphdef, reward_objective.RewardLossConfig(0.01))
+  value_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b)[0]))
+  (l_split, g_split), (l_flat, g_flat) = value_grad(params, split), value_grad(params, flat)
+  np.testing.assert_allclose(l_split, l_flat, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_split), jax.tree.leaves(g_flat)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
 
 
 def test_precomputed_reference_logps_give_the_same_run(tmp_path):
