@@ -1,6 +1,7 @@
 """Bradley-Terry reward model on the built-in arithmetic preference set, starting from the shipped tiny policy.
 
     python -m jalign.run --config=configs/rm.py              # held-out pairwise accuracy and Spearman vs gold
+    python -m jalign.run --config=configs/rm.py --config.rm.members="()"    # one reward model, no ensemble
     python -m jalign.run --config=configs/rm.py:tiny         # seconds, for tests
 
 The data (`jalign/assets/arith_prefs`) comes from `python -m jalign.data.arith_preferences`.
@@ -39,8 +40,12 @@ def get_config(arg=None):
   c.optim = ml_collections.ConfigDict(dict(
       lr=3e-4, schedule="cosine", warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
       clip_norm=1.0))
-  c.rm = ml_collections.ConfigDict(dict(head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01,
-                                        share_prompt=True))
+  # Two members: the model above checks the ones digit; trained on those pairs this backbone stays blind to the
+  # tens digit and the sign, and trained on both it learns one check or the other, not both (benchmarks/README.md).
+  # A second model learns that check from its own pairs; the ensemble sums the two scores (run_dir/ensemble).
+  c.rm = ml_collections.ConfigDict(dict(
+      head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01, share_prompt=True,
+      members=(dict(train=os.path.join(ASSETS, "arith_prefs", "rm_magnitude.jsonl"), steps=2000, weight=1.0),)))
   c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rules=jalign.models.DEFAULT_RULES))
   c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, resume=True, export_hf=True, async_save=True,
                                               preempt_grace_s=30.0))
@@ -58,6 +63,7 @@ def get_config(arg=None):
     c.data.check_records = 200
     c.checkpoint.every = 3
     c.log.tensorboard = False
+    c.rm.members = (dict(c.rm.members[0], steps=4),)
   elif arg:
     raise ValueError(f"configs/rm.py: unknown arg {arg!r}; accepted: 'tiny' or none")
   return c

@@ -6,6 +6,7 @@ dotted key (`config.train.batch_size`) and what is accepted. Jitted code only ev
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -136,7 +137,8 @@ class SamplingSection:
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
   weights: tuple = (("gsm8k", 1.0),)   # (name, weight) pairs from jalign.rl.rewards.REGISTRY
-  model: str = ""                      # a reward model (HF *ForSequenceClassification dir, e.g. configs/rm.py's export)
+  model: str = ""                      # a reward model: an HF *ForSequenceClassification dir, or an ensemble dir
+                                       # (configs/rm.py's run_dir/ensemble)
   model_weight: float = 1.0            # its score's weight in the reward
   overlong_max_length: int = 0         # DAPO overlong penalty; 0 = off
   overlong_buffer: int = 0
@@ -206,12 +208,23 @@ class GrpoSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardMember:
+  """A further reward model of an ensemble: trained like the run's own model (same backbone, head and optimizer) on
+  its own pairs, for its own steps; the ensemble's score adds `weight` x its score to the run's model's."""
+  train: str = ""                      # its training pairs (the forms of data.train)
+  steps: int = 0
+  weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardModelSection:
   head: Literal["linear", "mlp"] = "linear"    # scalar head on the last real token's hidden state
   head_bias: bool = False              # HF *ForSequenceClassification has none; export needs linear, no bias
   mlp_size: int = 0                    # mlp head width; 0 = hidden size
   center_rewards_coefficient: float = 0.0   # TRL: + coef * (r_c + r_r)^2 (Eisenstein et al. 2023); 0 = off
   share_prompt: bool = True            # each pair's prompt runs once, under both completions (prefix sharing)
+  members: tuple[RewardMember, ...] = ()    # () = one reward model; else an ensemble: the run's model + these,
+                                            # scores summed (jalign/train/reward.py)
 
 
 # Advantage estimators whose values for one group depend on that group's samples alone (no batch whitening, no
@@ -253,7 +266,7 @@ class EvalSection:
   pass_k: tuple[int, ...] = (1,)       # k values for pass@k (each <= num_samples)
   temperature: float = 1.0             # of the samples (pass@k and the KL estimate)
   reference: str = ""                  # HF dir of a reference policy: win rate and KL against it
-  reward_model: str = ""               # HF *ForSequenceClassification dir: mean score (and judge)
+  reward_model: str = ""               # HF *ForSequenceClassification or ensemble dir: mean score (and judge)
   judge: Literal["auto", "reward_model", "verifier"] = "auto"   # win rate judge; auto = the reward model if any
   sft_data: str = ""                   # held-out SFT data: perplexity
   pairs: str = ""                      # held-out preference pairs: the reward model's pairwise accuracy, Spearman
@@ -434,6 +447,9 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):
     raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
+  if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "reward_ensemble.json")):
+    raise ConfigError(f"config.model.path={cfg.model.path!r} is a reward-model ensemble (several checkpoints); use "
+                      "one of its numbered member directories, or pass the ensemble as reward.model")
   return cfg
 
 
@@ -505,6 +521,18 @@ def _validate_preference(cfg: RunConfig) -> None:
       raise ConfigError(f"config.rm.head={r.head!r}, head_bias={r.head_bias}: an HF sequence-classification "
                         "checkpoint holds one linear score without bias; use rm.head='linear', rm.head_bias=False or "
                         "set checkpoint.export_hf=False")
+    for i, m in enumerate(r.members):
+      key = f"config.rm.members[{i}]"
+      if not m.train:
+        raise ConfigError(f"{key}.train is empty: each member needs its training pairs (a file, glob or tfds spec)")
+      if m.steps <= 0 or cfg.optim.warmup_steps > m.steps:
+        raise ConfigError(f"{key}.steps={m.steps}: must be positive and >= optim.warmup_steps="
+                          f"{cfg.optim.warmup_steps}")
+      if not (math.isfinite(m.weight) and m.weight > 0):
+        raise ConfigError(f"{key}.weight={m.weight}: must be a positive number")
+    if r.members and not cfg.checkpoint.export_hf:
+      raise ConfigError("config.rm.members: the ensemble is assembled from each member's exported checkpoint; set "
+                        "checkpoint.export_hf=True")
     return
   if p.beta <= 0:
     raise ConfigError(f"config.dpo.beta={p.beta}: must be positive")
@@ -566,13 +594,19 @@ def _validate_rollout(cfg: RunConfig) -> None:
                       "reward.model (a reward model checkpoint)")
   if w.model:
     from jalign.models.hf import architectures
-    try:
-      archs = architectures(w.model)
-    except (OSError, ValueError) as e:
-      raise ConfigError(f"config.reward.model={w.model!r}: cannot read its config.json ({e})") from None
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-      raise ConfigError(f"config.reward.model={w.model!r}: architectures {archs} is not a *ForSequenceClassification "
-                        "reward model")
+    from jalign.objectives.reward import ensemble_members, is_ensemble
+    try:  # one checkpoint, or each member of an ensemble directory
+      paths = [p for p, _ in ensemble_members(w.model)] if is_ensemble(w.model) else [w.model]
+    except ValueError as e:
+      raise ConfigError(f"config.reward.model={w.model!r}: {e}") from None
+    for path in paths:
+      try:
+        archs = architectures(path)
+      except (OSError, ValueError) as e:
+        raise ConfigError(f"config.reward.model={path!r}: cannot read its config.json ({e})") from None
+      if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(f"config.reward.model={path!r}: architectures {archs} is not a *ForSequenceClassification "
+                          "reward model (nor a reward-model ensemble directory with reward_ensemble.json)")
   try:
     reward_spec(cfg)
   except RewardError as e:

@@ -92,7 +92,7 @@ def main(argv):
   if not is_pipeline and cfg.task not in ("eval", "rollout") and distributed.is_main():
     from jalign.eval import report
     print(f"report: {report.build(cfg.run_dir)}", flush=True)
-  shown = ("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/")
+  shown = ("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/", "ensemble/")
   summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(shown))
   if distributed.is_main():
     print(f"done: {summary}", flush=True)

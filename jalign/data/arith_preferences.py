@@ -12,7 +12,10 @@ rejected = the correct answer with a ones-digit slip (+-1 to 3, the kind of most
 the test set's rejected answers are off by one). Trained on the policy's own mistakes, the tiny reward model stays
 near chance: they are the answers its backbone (the policy) already finds likely, and one mistake per question
 repeats the policy's few confusions. Random slips make it verify the ones digit, which carries over to the policy's
-mistakes in `test.jsonl` (see benchmarks/README.md).
+mistakes in `test.jsonl` (see benchmarks/README.md). That model does not grade the size of an error (a tens-digit
+slip scores like a correct answer), and in this backbone's weights the two checks do not coexist; so the second
+member of `configs/rm.py`'s reward model is trained on `rm_magnitude.jsonl` (rejected = a tens-digit slip of +-10
+or 20, or the sign flipped) and the two members' scores are summed.
 
     python -m jalign.data.arith_preferences --out jalign/assets/arith_prefs   # (re)build the shipped set, ~1 min
 """
@@ -31,6 +34,7 @@ from jalign.rl.rewards import extract_gsm8k, parse_number
 UNREADABLE = -8.0
 SPLIT_SIZES = {"train": 10_000, "test": 500}
 SLIPS = (-3, -2, -1, 1, 2, 3)
+TENS_SLIPS = (-20, -10, 10, 20)
 
 
 def gold_score(completion: str, truth: str) -> float:
@@ -107,6 +111,19 @@ def slip_pairs(split: str = "train", n: int | None = None, per_question: int = 2
   return out
 
 
+def magnitude_pairs(split: str = "train", n: int | None = None, per_question: int = 2, seed: int = 0) -> list[dict]:
+  """`per_question` pairs for each question of `build(split)`: chosen = the correct answer, rejected = it with a
+  tens-digit slip (+-10, 20) or its sign flipped (distinct per question): the second reward-model member's data."""
+  rng = np.random.RandomState(seed + 3)
+  out = []
+  for r in distinct_questions(split, n or SPLIT_SIZES[split], seed=seed):
+    truth = int(r["answer"])
+    options = [truth + d for d in TENS_SLIPS] + ([-truth] if truth else [])
+    for wrong in rng.choice(options, per_question, replace=False):
+      out.append(_record(r, f"#### {int(wrong)}", "magnitude"))
+  return out
+
+
 def _sample_policy(base: list[dict], policy_dir: str, *, samples: int, seed: int, batch: int) -> list[list[str]]:
   import jax
 
@@ -154,6 +171,9 @@ def main():
   records = slip_pairs("train")
   write_jsonl(records, os.path.join(args.out, "rm_train.jsonl"))
   print(f"rm_train: {len(records)} pairs, rejected = a ones-digit slip of the correct answer")
+  records = magnitude_pairs("train")
+  write_jsonl(records, os.path.join(args.out, "rm_magnitude.jsonl"))
+  print(f"rm_magnitude: {len(records)} pairs, rejected = a tens-digit slip or the sign flipped")
 
 
 if __name__ == "__main__":

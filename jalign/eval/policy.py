@@ -161,23 +161,26 @@ def perplexity(lm, tok, spec: str, *, max_length: int, batch_size: int) -> float
   return math.exp(nll / count) if count else float("nan")
 
 
-def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: int) -> dict:
-  """A reward model's pairwise accuracy (chosen scored above rejected) and, with gold scores, Spearman / Kendall."""
-  from jalign.objectives.reward import RewardModel, pair_scores
-  backbone, score = models.load_sequence_classifier(rm_path)
-  rm = RewardModel.from_classifier(backbone, score)
+def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: int, limit: int = 0) -> dict:
+  """A reward model's (or ensemble's: weighted sum of its members' scores) pairwise accuracy (chosen scored above
+  rejected) and, with gold scores, Spearman / Kendall, over the first `limit` pairs of `spec` (0 = all)."""
+  from jalign.objectives.reward import load_scorers, pair_scores
   examples = _encoded(spec, functools.partial(preference.encode, tok=tok, max_length=max_length))
-  graphdef, params = nnx.split(rm)
-  fn = jax.jit(lambda p, b: pair_scores(nnx.merge(graphdef, p), b))
-  scores = []
-  for start in range(0, len(examples), batch_size):
-    chunk = examples[start:start + batch_size]
-    longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in chunk)
-    batch = preference.pair_batch((1 << (longest - 1).bit_length(),))(chunk)
-    scores.append(to_host(fn(params, {k: jnp.asarray(v) for k, v in batch.items()
-                                      if k in ("tokens", "segment_ids", "positions")})))
+  examples = examples[:limit] if limit else examples
+  total = 0.0
+  for rm, weight in load_scorers(rm_path):
+    graphdef, params = nnx.split(rm)
+    fn = jax.jit(lambda p, b, g=graphdef: pair_scores(nnx.merge(g, p), b))
+    scores = []
+    for start in range(0, len(examples), batch_size):
+      chunk = examples[start:start + batch_size]
+      longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in chunk)
+      batch = preference.pair_batch((1 << (longest - 1).bit_length(),))(chunk)
+      scores.append(to_host(fn(params, {k: jnp.asarray(v) for k, v in batch.items()
+                                        if k in ("tokens", "segment_ids", "positions")})))
+    total = total + weight * np.concatenate(scores)
   # the encoded pairs keep their gold scores, so the correlations pair each score with its own record
-  return {"rm/" + k: v for k, v in ranking.pair_metrics(np.concatenate(scores), examples).items()}
+  return {"rm/" + k: v for k, v in ranking.pair_metrics(total, examples).items()}
 
 
 def load_prompts(e: EvalSection, tok, max_prompt_length: int) -> list[Prompt]:

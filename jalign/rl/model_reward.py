@@ -1,5 +1,6 @@
-"""A reward model as an RL reward: an HF `*ForSequenceClassification` checkpoint (e.g. `configs/rm.py`'s export)
-scoring prompt + completion token ids in-graph, on the run's mesh."""
+"""A reward model as an RL reward: an HF `*ForSequenceClassification` checkpoint (e.g. `configs/rm.py`'s export) or
+an ensemble directory of them (`rm.members`; scores summed with the members' weights), scoring prompt + completion
+token ids in-graph, on the run's mesh."""
 from __future__ import annotations
 
 import functools
@@ -10,23 +11,28 @@ import numpy as np
 from flax import nnx
 
 from jalign import models
-from jalign.objectives.reward import RewardModel
+from jalign.objectives.reward import load_scorers
 
 
 class ModelReward:
   def __init__(self, path: str, weight: float, mesh, rules=models.DEFAULT_RULES):
-    backbone, score = models.load_sequence_classifier(path, mesh=mesh, rules=rules)
-    rm = RewardModel.from_classifier(backbone, score)
-    self.graphdef, params = nnx.split(rm)
-    self.params = nnx.to_pure_dict(params)
-    if mesh is not None:  # the head was built off the mesh
-      self.params = jax.device_put(self.params, nnx.to_pure_dict(models.state_shardings(rm, mesh, rules)))
+    scorers = load_scorers(path, mesh=mesh, rules=rules)
+    graphdefs, self.params = [], []
+    for rm, _ in scorers:
+      graphdef, params = nnx.split(rm)
+      params = nnx.to_pure_dict(params)
+      if mesh is not None:  # the head was built off the mesh
+        params = jax.device_put(params, nnx.to_pure_dict(models.state_shardings(rm, mesh, rules)))
+      graphdefs.append(graphdef)
+      self.params.append(params)
+    self.graphdefs, self.member_weights = tuple(graphdefs), tuple(w for _, w in scorers)
     self.weight, self.path, self.mesh = weight, path, mesh
-    self.max_length = backbone.cfg.max_position_embeddings
+    self.max_length = min(rm.cfg.max_position_embeddings for rm, _ in scorers)
 
   @functools.partial(jax.jit, static_argnums=0)
   def _score(self, params, tokens, segment):
-    return nnx.merge(self.graphdef, params).score(tokens, segment)
+    return sum(w * nnx.merge(g, p).score(tokens, segment)
+               for g, p, w in zip(self.graphdefs, params, self.member_weights))
 
   def __call__(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, response: np.ndarray, lengths: np.ndarray
                ) -> np.ndarray:

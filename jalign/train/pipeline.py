@@ -17,7 +17,9 @@ from typing import Any
 
 from jalign.config import ConfigError, EvalSection, to_dataclass, validate
 from jalign.eval import policy as policy_eval, report
+from jalign.objectives.reward import ENSEMBLE_FILE
 from jalign.parallel.distributed import is_main, say
+from jalign.train import reward
 
 TASKS = ("sft", "rm", "grpo", "ppo", "dpo")
 KEYS = ("task", "run_dir", "base_model", "order", "rm_weight", "stages", "eval", "distributed")
@@ -62,7 +64,8 @@ def stage_configs(values, num_devices: int) -> list[tuple[str, str, Any]]:
     stage["tokenizer"] = ""  # each exported checkpoint carries its tokenizer
     # The reward model joins the RL reward once its stage has exported it (the pipeline re-wires each stage just
     # before running it; a check before the first stage sees the verifiable reward alone).
-    if task in ("grpo", "ppo") and rm_path and c["rm_weight"] and os.path.exists(os.path.join(rm_path, "config.json")):
+    exported_rm = rm_path and any(os.path.exists(os.path.join(rm_path, f)) for f in ("config.json", ENSEMBLE_FILE))
+    if task in ("grpo", "ppo") and exported_rm and c["rm_weight"]:
       stage["reward"]["model"], stage["reward"]["model_weight"] = rm_path, float(c["rm_weight"])
     stage.setdefault("distributed", c.get("distributed", {}))
     try:
@@ -70,11 +73,10 @@ def stage_configs(values, num_devices: int) -> list[tuple[str, str, Any]]:
     except ConfigError as e:
       raise ConfigError(str(e).replace("config.", f"config.stages.{task}.", 1)) from None
     out.append((name, task, cfg))
-    exported = os.path.join(stage["run_dir"], "hf")
-    if task == "rm":
-      rm_path = exported
+    if task == "rm":  # its model, or its ensemble (rm.members)
+      rm_path = reward.ensemble_dir(cfg)
     else:
-      policy = exported
+      policy = os.path.join(stage["run_dir"], "hf")
   return out
 
 
@@ -102,15 +104,15 @@ def run(values, num_devices: int) -> dict:
       final = _runner(task)(cfg)
       exported = os.path.join(cfg.run_dir, "hf")
       if task == "rm":
-        evaluation = policy_eval.pair_metrics(exported, _tokenizer(exported), cfg.data.eval or cfg.data.train,
-                                              max_length=cfg.data.max_length, batch_size=e.batch_size) \
-            if (cfg.data.eval or cfg.data.train) else {}
+        evaluation = policy_eval.pair_metrics(reward.ensemble_dir(cfg), _tokenizer(exported),
+                                              cfg.data.eval or cfg.data.train, max_length=cfg.data.max_length,
+                                              batch_size=e.batch_size) if (cfg.data.eval or cfg.data.train) else {}
       else:
         evaluation = policy_eval.evaluate(dataclasses.replace(e, reference=base, reward_model=rm_path), exported)
       info = {"task": task, "model": cfg.model.path, "final": final, "eval": evaluation}
       _write_json(marker, info)
     if task == "rm":
-      rm_path = os.path.join(cfg.run_dir, "hf")
+      rm_path = reward.ensemble_dir(cfg)
     results[name] = info
   path = report.build(root) if is_main() else None
   if path:

@@ -4,18 +4,30 @@ The backbone comes from `model.path` (a causal LM such as the shipped tiny polic
 `*ForSequenceClassification` reward model, whose score head is kept) or from `model.arch`. Held-out evaluation:
 pairwise accuracy, mean margin, and Spearman / Kendall correlation of the scores with the data's gold scores
 (`chosen_score` / `rejected_score`) when every pair has them. Exported as an HF sequence-classification checkpoint.
+
+With `rm.members`, the run then trains each member the same way on its own pairs (in run_dir/members/<i>, each
+resuming there like any run) and assembles run_dir/ensemble: the run's model and the members, scores summed with
+their weights, evaluated on the same held-out pairs. Use it where one set of weights does not hold every check the
+preferences need (the built-in task: the ones-digit check and the size of the error, see benchmarks/README.md).
 """
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jax.experimental import multihost_utils
+
 from jalign import models
+from jalign import tokenizer as tokenizer_lib
 from jalign.config import RunConfig
 from jalign.data import preference
-from jalign.eval import ranking
+from jalign.eval import policy as policy_eval, ranking
 from jalign.objectives import reward as objective
+from jalign.parallel.distributed import is_main, say
 from jalign.train import loop
 from jalign.train.preference import PreferenceTask
 
@@ -73,5 +85,43 @@ def pair_metrics(scores: np.ndarray, examples: list[dict]) -> dict:
   return {"eval/" + k: v for k, v in ranking.pair_metrics(scores, examples).items()}
 
 
+def member_config(cfg: RunConfig, index: int) -> RunConfig:
+  """The run of ensemble member `index` (1-based): the run's own settings with the member's pairs, steps and seed
+  (the run's + index), in run_dir/members/<index>."""
+  m = cfg.rm.members[index - 1]
+  return dataclasses.replace(cfg, run_dir=os.path.join(cfg.run_dir, "members", str(index)), seed=cfg.seed + index,
+                             data=dataclasses.replace(cfg.data, train=m.train),
+                             train=dataclasses.replace(cfg.train, steps=m.steps),
+                             rm=dataclasses.replace(cfg.rm, members=()))
+
+
+def ensemble_dir(cfg: RunConfig) -> str:
+  """Where the run's reward model ends up: run_dir/hf, or run_dir/ensemble with `rm.members`."""
+  return os.path.join(cfg.run_dir, "ensemble" if cfg.rm.members else "hf")
+
+
 def run(cfg: RunConfig) -> dict:
-  return loop.run(cfg, RewardTask(cfg))
+  final = loop.run(cfg, RewardTask(cfg))
+  if not cfg.rm.members:
+    return final
+  members = [(os.path.join(cfg.run_dir, "hf"), 1.0)]
+  for i, m in enumerate(cfg.rm.members, 1):
+    member = member_config(cfg, i)
+    say(f"reward-model ensemble, member {i} of {len(cfg.rm.members)}: {m.steps} steps on {m.train} -> "
+        f"{member.run_dir}")
+    out = loop.run(member, RewardTask(member))
+    final.update({f"member{i}/{k}": v for k, v in out.items() if k.startswith("eval/")})
+    members.append((os.path.join(member.run_dir, "hf"), m.weight))
+  path = ensemble_dir(cfg)
+  if is_main():
+    objective.write_ensemble(path, members)
+  if jax.process_count() > 1:  # the other processes read what process 0 wrote
+    multihost_utils.sync_global_devices("reward-model ensemble written")
+  if cfg.data.eval:
+    tok = tokenizer_lib.load(path + "/0")
+    scores = policy_eval.pair_metrics(path, tok, cfg.data.eval, max_length=cfg.data.max_length,
+                                      batch_size=cfg.train.batch_size, limit=cfg.train.eval_examples)
+    final.update({"ensemble/" + k.removeprefix("rm/"): v for k, v in scores.items()})
+    say("reward-model ensemble: " + "  ".join(f"{k}={v:.4f}" for k, v in final.items() if k.startswith("ensemble/"))
+        + f"  ({path})")
+  return final

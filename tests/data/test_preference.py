@@ -176,3 +176,20 @@ def test_shipped_reward_model_pairs_are_ones_digit_slips_of_train_questions():
     slip = int(r["rejected"][0]["content"].removeprefix("#### ")) - truth
     assert r["chosen"][0]["content"] == f"#### {truth}" and 1 <= abs(slip) <= 3
     assert r["rejected_score"] == pytest.approx(-np.log1p(abs(slip))) and r["chosen_score"] == 0.0
+
+
+def test_shipped_magnitude_pairs_are_tens_slips_and_sign_flips_of_train_questions():
+  from jalign.data import arith_preferences
+
+  prefs = os.path.join(os.path.dirname(synthetic.__file__), "..", "assets", "arith_prefs")
+  shipped = [json.loads(line) for line in open(os.path.join(prefs, "rm_magnitude.jsonl"))]
+  assert shipped == arith_preferences.magnitude_pairs()  # the documented command rebuilds the file
+  ones = [json.loads(line) for line in open(os.path.join(prefs, "rm_train.jsonl"))]
+  assert [r["prompt"] for r in shipped] == [r["prompt"] for r in ones]  # the same train questions, two each
+  for r in shipped[:500]:
+    a, op, b = r["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split()
+    truth = int(a) + int(b) if op == "+" else int(a) - int(b)
+    wrong = int(r["rejected"][0]["content"].removeprefix("#### "))
+    assert r["chosen"][0]["content"] == f"#### {truth}" and wrong != truth
+    assert wrong - truth in (-20, -10, 10, 20) or wrong == -truth
+    assert r["rejected_score"] == pytest.approx(-np.log1p(abs(wrong - truth))) and r["chosen_score"] == 0.0
