@@ -1,4 +1,5 @@
-"""Bradley-Terry reward model on the built-in arithmetic preference set, starting from the shipped tiny policy.
+"""Bradley-Terry reward models on the built-in arithmetic preference set, starting from the shipped tiny policy: two
+models (one per kind of mistake) whose scores are summed, exported as run_dir/hf (the first) and run_dir/ensemble.
 
     python -m jalign.run --config=configs/rm.py              # held-out pairwise accuracy and Spearman vs gold
     python -m jalign.run --config=configs/rm.py --config.rm.members="()"    # one reward model, no ensemble
@@ -40,9 +41,9 @@ def get_config(arg=None):
   c.optim = ml_collections.ConfigDict(dict(
       lr=3e-4, schedule="cosine", warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
       clip_norm=1.0))
-  # Two members: the model above checks the ones digit; trained on those pairs this backbone stays blind to the
-  # tens digit and the sign, and trained on both it learns one check or the other, not both (benchmarks/README.md).
-  # A second model learns that check from its own pairs; the ensemble sums the two scores (run_dir/ensemble).
+  # Two members: the model above learns to check the ones digit and stays blind to the tens digit and the sign;
+  # trained on both kinds of pairs this backbone learns one check or the other, not both (benchmarks/README.md). A
+  # second model learns the other check from its own pairs; the ensemble sums the two scores (run_dir/ensemble).
   c.rm = ml_collections.ConfigDict(dict(
       head="linear", head_bias=False, mlp_size=0, center_rewards_coefficient=0.01, share_prompt=True,
       members=(dict(train=os.path.join(ASSETS, "arith_prefs", "rm_magnitude.jsonl"), steps=2000, weight=1.0),)))

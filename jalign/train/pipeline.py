@@ -74,7 +74,7 @@ def stage_configs(values, num_devices: int) -> list[tuple[str, str, Any]]:
       raise ConfigError(str(e).replace("config.", f"config.stages.{task}.", 1)) from None
     out.append((name, task, cfg))
     if task == "rm":  # its model, or its ensemble (rm.members)
-      rm_path = reward.ensemble_dir(cfg)
+      rm_path = reward.reward_model_dir(cfg)
     else:
       policy = os.path.join(stage["run_dir"], "hf")
   return out
@@ -104,7 +104,7 @@ def run(values, num_devices: int) -> dict:
       final = _runner(task)(cfg)
       exported = os.path.join(cfg.run_dir, "hf")
       if task == "rm":
-        evaluation = policy_eval.pair_metrics(reward.ensemble_dir(cfg), _tokenizer(exported),
+        evaluation = policy_eval.pair_metrics(reward.reward_model_dir(cfg), _tokenizer(exported),
                                               cfg.data.eval or cfg.data.train, max_length=cfg.data.max_length,
                                               batch_size=e.batch_size) if (cfg.data.eval or cfg.data.train) else {}
       else:
@@ -112,7 +112,7 @@ def run(values, num_devices: int) -> dict:
       info = {"task": task, "model": cfg.model.path, "final": final, "eval": evaluation}
       _write_json(marker, info)
     if task == "rm":
-      rm_path = reward.ensemble_dir(cfg)
+      rm_path = reward.reward_model_dir(cfg)
     results[name] = info
   path = report.build(root) if is_main() else None
   if path:

@@ -95,7 +95,7 @@ def member_config(cfg: RunConfig, index: int) -> RunConfig:
                              rm=dataclasses.replace(cfg.rm, members=()))
 
 
-def ensemble_dir(cfg: RunConfig) -> str:
+def reward_model_dir(cfg: RunConfig) -> str:
   """Where the run's reward model ends up: run_dir/hf, or run_dir/ensemble with `rm.members`."""
   return os.path.join(cfg.run_dir, "ensemble" if cfg.rm.members else "hf")
 
@@ -112,13 +112,13 @@ def run(cfg: RunConfig) -> dict:
     out = loop.run(member, RewardTask(member))
     final.update({f"member{i}/{k}": v for k, v in out.items() if k.startswith("eval/")})
     members.append((os.path.join(member.run_dir, "hf"), m.weight))
-  path = ensemble_dir(cfg)
+  path = reward_model_dir(cfg)
   if is_main():
     objective.write_ensemble(path, members)
   if jax.process_count() > 1:  # the other processes read what process 0 wrote
     multihost_utils.sync_global_devices("reward-model ensemble written")
   if cfg.data.eval:
-    tok = tokenizer_lib.load(path + "/0")
+    tok = tokenizer_lib.load(os.path.join(path, "0"))
     scores = policy_eval.pair_metrics(path, tok, cfg.data.eval, max_length=cfg.data.max_length,
                                       batch_size=cfg.train.batch_size, limit=cfg.train.eval_examples)
     final.update({"ensemble/" + k.removeprefix("rm/"): v for k, v in scores.items()})
