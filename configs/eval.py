@@ -2,7 +2,7 @@
 
     python -m jalign.run --config=configs/eval.py --config.model.path=runs/grpo/hf
     python -m jalign.run --config=configs/eval.py --config.model.path=DIR --config.eval.reference=OTHER_DIR \
-        --config.eval.reward_model=runs/rm/hf --config.eval.num_samples=8 --config.eval.pass_k="(1,4,8)"
+        --config.eval.reward_model=runs/rm/ensemble --config.eval.num_samples=8 --config.eval.pass_k="(1,4,8)"
 
 Writes run_dir/eval.json: accuracy (greedy pass@1), pass@k, response length, reward-model score, win rate and KL
 against the reference, perplexity on held-out SFT data, the reward model's pairwise accuracy on held-out pairs.
