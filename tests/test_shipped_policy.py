@@ -1,14 +1,12 @@
 """The shipped tiny policy is what `python -m jalign.run --config=configs/sft.py` produces."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.configs_util import ROOT
+from tests.configs_util import ROOT, run_as_user
 
 SHIPPED = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
 
@@ -33,12 +31,7 @@ def test_shipped_policy_loads_and_solves_some_but_not_all():
 @pytest.mark.slow
 @pytest.mark.long  # 11 minutes alone on 2 AVX2 cores: `python -m pytest -m long`
 def test_sft_config_reproduces_the_shipped_policy(tmp_path):
-  # As a user runs it: one CPU device (the test session's 8 fake devices would change the arithmetic's order).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py",
-                        f"--config.run_dir={tmp_path}", "--config.log.progress=False",
-                        "--config.log.tensorboard=False"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1800)
+  out = run_as_user("sft", tmp_path, timeout=1800)
   assert out.returncode == 0, out.stderr[-3000:]
   recorded = json.load(open(os.path.join(SHIPPED, "..", "tiny_policy.json")))
   final = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if "eval/exact_match" in l][-1]

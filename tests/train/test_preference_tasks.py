@@ -11,7 +11,7 @@ import pytest
 from jalign import tokenizer
 from jalign.config import ConfigError
 from jalign.train import dpo as dpo_task, reward as reward_task
-from tests.configs_util import ROOT, run_config
+from tests.configs_util import ROOT, run_as_user, run_config
 
 ASSETS = os.path.join(ROOT, "jalign", "assets")
 PAIRS = [json.loads(line) for line in open(os.path.join(ASSETS, "arith_prefs", "test.jsonl"))][:8]
@@ -340,13 +340,7 @@ def test_kto_batches_pair_each_prompt_with_another_completion():
 def test_rm_config_reaches_its_held_out_targets(tmp_path):
   """`python -m jalign.run --config=configs/rm.py` as a user runs it (one CPU device): the two-member ensemble ranks
   the held-out pairs of the policy's own mistakes >= 0.9 pairwise and >= 0.8 Spearman against the gold scores."""
-  import subprocess
-  import sys
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/rm.py",
-                        f"--config.run_dir={tmp_path}", "--config.log.progress=False",
-                        "--config.log.tensorboard=False"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=3600)
+  out = run_as_user("rm", tmp_path)
   assert out.returncode == 0, out.stderr[-3000:]
   done = [line for line in out.stdout.splitlines() if line.startswith("done: ")][-1]
   final = dict(item.split("=") for item in done.removeprefix("done: ").split())
