@@ -18,7 +18,6 @@ import os
 import jax
 import numpy as np
 from flax import nnx
-
 from jax.experimental import multihost_utils
 
 from jalign import models
