@@ -447,7 +447,8 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):
     raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
-  if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "reward_ensemble.json")):
+  from jalign.objectives.reward import is_ensemble
+  if cfg.model.path and is_ensemble(cfg.model.path):
     raise ConfigError(f"config.model.path={cfg.model.path!r} is a reward-model ensemble (several checkpoints); use "
                       "one of its numbered member directories, or pass the ensemble as reward.model")
   return cfg

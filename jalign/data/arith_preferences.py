@@ -103,24 +103,23 @@ def distinct_questions(split: str, n: int, seed: int = 0) -> list[dict]:
 def slip_pairs(split: str = "train", n: int | None = None, per_question: int = 2, seed: int = 0) -> list[dict]:
   """`per_question` pairs for each question of `build(split)`: chosen = the correct answer, rejected = it with a
   ones-digit slip (distinct slips per question)."""
-  rng = np.random.RandomState(seed + 2)
-  out = []
-  for r in distinct_questions(split, n or SPLIT_SIZES[split], seed=seed):
-    for slip in rng.choice(SLIPS, per_question, replace=False):
-      out.append(_record(r, f"#### {int(r['answer']) + int(slip)}", "slip"))
-  return out
+  return _wrong_answer_pairs(split, n, per_question, np.random.RandomState(seed + 2), seed, "slip",
+                             lambda truth: [truth + d for d in SLIPS])
 
 
 def magnitude_pairs(split: str = "train", n: int | None = None, per_question: int = 2, seed: int = 0) -> list[dict]:
   """`per_question` pairs for each question of `build(split)`: chosen = the correct answer, rejected = it with a
   tens-digit slip (+-10, 20) or its sign flipped (distinct per question): the second reward-model member's data."""
-  rng = np.random.RandomState(seed + 3)
+  return _wrong_answer_pairs(split, n, per_question, np.random.RandomState(seed + 3), seed, "magnitude",
+                             lambda truth: [truth + d for d in TENS_SLIPS] + ([-truth] if truth else []))
+
+
+def _wrong_answer_pairs(split, n, per_question, rng, seed, origin, wrong_answers) -> list[dict]:
+  """`per_question` distinct draws from `wrong_answers(truth)` as the rejected answers of each question."""
   out = []
   for r in distinct_questions(split, n or SPLIT_SIZES[split], seed=seed):
-    truth = int(r["answer"])
-    options = [truth + d for d in TENS_SLIPS] + ([-truth] if truth else [])
-    for wrong in rng.choice(options, per_question, replace=False):
-      out.append(_record(r, f"#### {int(wrong)}", "magnitude"))
+    for wrong in rng.choice(wrong_answers(int(r["answer"])), per_question, replace=False):
+      out.append(_record(r, f"#### {int(wrong)}", origin))
   return out
 
 

@@ -167,18 +167,17 @@ def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: i
   from jalign.objectives.reward import load_scorers, pair_scores
   examples = _encoded(spec, functools.partial(preference.encode, tok=tok, max_length=max_length))
   examples = examples[:limit] if limit else examples
+  batches = []
+  for start in range(0, len(examples), batch_size):
+    chunk = examples[start:start + batch_size]
+    longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in chunk)
+    batch = preference.pair_batch((1 << (longest - 1).bit_length(),))(chunk)
+    batches.append({k: jnp.asarray(v) for k, v in batch.items() if k in ("tokens", "segment_ids", "positions")})
   total = 0.0
   for rm, weight in load_scorers(rm_path):
     graphdef, params = nnx.split(rm)
     fn = jax.jit(lambda p, b, g=graphdef: pair_scores(nnx.merge(g, p), b))
-    scores = []
-    for start in range(0, len(examples), batch_size):
-      chunk = examples[start:start + batch_size]
-      longest = max(max(len(e["chosen"]), len(e["rejected"])) for e in chunk)
-      batch = preference.pair_batch((1 << (longest - 1).bit_length(),))(chunk)
-      scores.append(to_host(fn(params, {k: jnp.asarray(v) for k, v in batch.items()
-                                        if k in ("tokens", "segment_ids", "positions")})))
-    total = total + weight * np.concatenate(scores)
+    total = total + weight * np.concatenate([to_host(fn(params, b)) for b in batches])
   # the encoded pairs keep their gold scores, so the correlations pair each score with its own record
   return {"rm/" + k: v for k, v in ranking.pair_metrics(total, examples).items()}
 

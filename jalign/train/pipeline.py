@@ -17,7 +17,7 @@ from typing import Any
 
 from jalign.config import ConfigError, EvalSection, to_dataclass, validate
 from jalign.eval import policy as policy_eval, report
-from jalign.objectives.reward import ENSEMBLE_FILE
+from jalign.objectives.reward import is_ensemble
 from jalign.parallel.distributed import is_main, say
 from jalign.train import reward
 
@@ -64,7 +64,7 @@ def stage_configs(values, num_devices: int) -> list[tuple[str, str, Any]]:
     stage["tokenizer"] = ""  # each exported checkpoint carries its tokenizer
     # The reward model joins the RL reward once its stage has exported it (the pipeline re-wires each stage just
     # before running it; a check before the first stage sees the verifiable reward alone).
-    exported_rm = rm_path and any(os.path.exists(os.path.join(rm_path, f)) for f in ("config.json", ENSEMBLE_FILE))
+    exported_rm = rm_path and (os.path.exists(os.path.join(rm_path, "config.json")) or is_ensemble(rm_path))
     if task in ("grpo", "ppo") and exported_rm and c["rm_weight"]:
       stage["reward"]["model"], stage["reward"]["model_weight"] = rm_path, float(c["rm_weight"])
     stage.setdefault("distributed", c.get("distributed", {}))
