@@ -1,8 +1,28 @@
-"""Test set-up: 8 fake CPU devices and no hub access, before anything imports jax or transformers."""
+"""Test set-up: 8 fake CPU devices, no hub access and one compilation cache per run, before anything imports jax."""
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The tests build the same tiny models and steps again and again, in this process, in the pytest-xdist workers and
+# in the runs they start as subprocesses (which inherit the environment): a persistent compilation cache shared by all
+# of them turns most compiles into a file read. It lives for one run, made by whichever process gets here first (the
+# xdist controller, whose environment the workers inherit), and removed by it at the end. The size cap turns on the
+# cache's file lock, so that two workers never read an entry while it is being written.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_CACHE = tempfile.mkdtemp(prefix="jalign-tests-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE is not None and not hasattr(config, "workerinput"):
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
