@@ -174,7 +174,8 @@ class GrpoSection:
   clip_c: float | None = None          # dual clip (Ye et al. 2020); None = off
   loss_mode: Literal["vanilla", "gspo"] = "vanilla"
   agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-  kl_coef: float = 0.001               # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl)
+  kl_coef: float = 0.001               # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl); 0 = no KL term
+                                       # (DAPO): the reference then runs only on the steps that log the KL
   kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
   kl_in_reward: bool = False           # subtract kl_coef x KL(old || ref) from token rewards instead (verl
                                        # use_kl_in_reward); the KL loss term is then off

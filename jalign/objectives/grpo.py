@@ -1,7 +1,8 @@
 """GRPO / PPO-style policy update on sampled sequences: clipped surrogate + KL to the reference + entropy bonus.
 
 Batch layout (all [N, ...]): `tokens` [N, P+R] = left-padded prompt then response, `segment_ids`/`positions` for the
-forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R]. Without
+forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R] (without
+`ref_logp`, as when the KL coefficient is 0, the loss has no KL term and reports no KL). Without
 `old_logp` the update is on-policy (one epoch, one mini-batch): the old policy is the current one, so its log-probs
 are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. The
 loss comes back as (numerator, denominator) so the train step normalises over the global batch.
@@ -56,14 +57,15 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
                                             mode=cfg.mode)
-    kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind)
-    total = pg + cfg.kl_coef * kl - cfg.entropy_coef * entropy
+    kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind) if "ref_logp" in batch else None
+    total = pg - cfg.entropy_coef * entropy + (0.0 if kl is None else cfg.kl_coef * kl)
     agg = "seq-mean-token-mean" if cfg.mode == "gspo" else cfg.agg
     num, den = policy.aggregate_parts(total, mask, agg, global_rows=cfg.global_rows or None)
     # Metric sums: each divided by the step's summed denominator, so token-mean metrics come out as global means.
     sums = {"actor/pg_loss": policy.aggregate_parts(pg, mask, agg, global_rows=cfg.global_rows or None)[0],
-            "actor/kl_loss": jnp.sum(kl * mask) * den / jnp.maximum(jnp.sum(mask), 1.0),
             "actor/entropy": jnp.sum(entropy * mask) * den / jnp.maximum(jnp.sum(mask), 1.0),
             "actor/pg_clipfrac": metrics["pg_clipfrac"] * den, "actor/ppo_kl": metrics["ppo_kl"] * den}
+    if kl is not None:
+      sums["actor/kl_loss"] = jnp.sum(kl * mask) * den / jnp.maximum(jnp.sum(mask), 1.0)
     return num, den, sums
   return loss_fn

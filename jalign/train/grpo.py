@@ -189,6 +189,11 @@ def run(cfg: RunConfig) -> dict:
   full = setup.full
   reference = setup.reference()
   ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, reference)) if cfg.model.offload_reference else logprobs
+  # The reference acts through the KL coefficient only: at 0 (DAPO's recipe, no KL term) its forward runs on the steps
+  # that report the KL to it, not on every step.
+  ref_every_step = bool(g.kl_coef) or g.kl_in_reward or g.kl_ctrl == "adaptive" or bool(g.max_kl)
+  report_kl = jax.jit(lambda logp, ref_logp, mask: adv_lib.masked_mean(
+      policy_lib.kl_penalty(logp, ref_logp, g.kl_kind), mask.astype(jnp.float32)), out_shardings=rep)
   critic = Critic(cfg, nnx.merge(graphdef, full(state.params)), mesh, rows // g.mini_batches) \
       if g.adv_estimator == "gae" else None
   kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
@@ -308,12 +313,22 @@ def run(cfg: RunConfig) -> dict:
       device_batch = loop.global_from_full(batch, batch_sharding)
       if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
         device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
-      device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
+      reports = (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or bool(
+          cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
+      kl_to_ref = None
+      if ref_every_step:
+        device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
+      elif reports:  # the policy's log-probs before this step's update, as the loss would see them on-policy
+        current = device_batch["old_logp"] if behaviour is None and "old_logp" in device_batch else \
+            logprobs(full(state.params), device_batch)
+        kl_to_ref = (current, ref_logprobs(reference, device_batch))
       kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef
       adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef, trained.baselines)
       if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
         extra_cols["response_mask"] = response_mask * informative[:, None]
       device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, batch_sharding))
+      if kl_to_ref is not None:
+        kl_to_ref = float(report_kl(*kl_to_ref, device_batch["response_mask"]))
       if kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
         kl_ctl.value = float(np.float32(kl_ctl.update(adv_metrics["actor/reward_kl"], rows)))
 
@@ -335,6 +350,8 @@ def run(cfg: RunConfig) -> dict:
       metrics = {k.replace("train/loss", "actor/loss"): v if k.endswith("skipped_nonfinite") else v / n_updates
                  for k, v in sums.items()}
       metrics.update(adv_metrics)
+      if kl_to_ref is not None:
+        metrics["actor/kl_loss"] = kl_to_ref
       if metrics.get("train/nonfinite", 0.0) > 0 or metrics.get("critic/nonfinite", 0.0) > 0:
         if cfg.train.nonfinite == "stop":
           ckpt.wait()

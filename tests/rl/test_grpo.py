@@ -118,6 +118,26 @@ def test_compacted_update_equals_the_masked_one(tmp_path):
     np.testing.assert_allclose(compact[name], masked[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+def test_without_a_kl_term_the_reference_runs_only_where_the_kl_is_reported(tmp_path):
+  """kl_coef=0 drops the reference forward from the steps that log nothing (here step 1 of 3, logging every 2nd):
+  the run ends at the weights of one that computes it on every step (a KL bound forces that) and reports the same
+  KL to the reference where it logs."""
+  from safetensors.numpy import load_file
+  common = ("--config.grpo.kl_coef=0", "--config.train.log_every=2", "--config.grpo.mini_batches=1",
+            "--config.grpo.eval_examples=0")
+  _run(tmp_path / "every", *common, "--config.grpo.max_kl=1e9")
+  _run(tmp_path / "reported", *common)
+  rows = {name: [r for r in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if "actor/pg_loss" in r]
+          for name in ("every", "reported")}
+  assert [r["step"] for r in rows["reported"]] == [2, 3]
+  kl = {name: [r["actor/kl_loss"] for r in rows[name]] for name in rows}
+  assert min(kl["every"]) > 0, kl
+  np.testing.assert_allclose(kl["reported"], kl["every"], rtol=1e-5)
+  every, reported = (load_file(str(tmp_path / name / "hf" / "model.safetensors")) for name in ("every", "reported"))
+  for name in every:
+    np.testing.assert_allclose(reported[name], every[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_mini_batch_normaliser_is_the_mini_batch(tmp_path):
   """seq-mean-token-sum-norm divides each update's token sums by the response length, once per mini-batch (Dr.
   GRPO): with a negligible learning rate (the samples and on-policy ratios stay those of the first run), two
