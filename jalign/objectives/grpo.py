@@ -58,7 +58,7 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
                                             mode=cfg.mode)
     kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind) if "ref_logp" in batch else None
-    total = pg - cfg.entropy_coef * entropy + (0.0 if kl is None else cfg.kl_coef * kl)
+    total = (pg if kl is None else pg + cfg.kl_coef * kl) - cfg.entropy_coef * entropy
     agg = "seq-mean-token-mean" if cfg.mode == "gspo" else cfg.agg
     num, den = policy.aggregate_parts(total, mask, agg, global_rows=cfg.global_rows or None)
     # Metric sums: each divided by the step's summed denominator, so token-mean metrics come out as global means.
