@@ -313,12 +313,12 @@ def run(cfg: RunConfig) -> dict:
       device_batch = loop.global_from_full(batch, batch_sharding)
       if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
         device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
-      reports = (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or bool(
-          cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
+      logs = (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps
+      evals = bool(cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts)
       kl_to_ref = None
       if ref_every_step:
         device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
-      elif reports:  # the policy's log-probs before this step's update, as the loss would see them on-policy
+      elif logs or evals:  # the policy's log-probs before this step's update, as the loss would see them on-policy
         current = device_batch["old_logp"] if behaviour is None and "old_logp" in device_batch else \
             logprobs(full(state.params), device_batch)
         kl_to_ref = (current, ref_logprobs(reference, device_batch))
@@ -371,12 +371,12 @@ def run(cfg: RunConfig) -> dict:
       for line in warnings:
         writer.print(f"warning: {line}")
       final = metrics
-      if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
+      if logs:
         writer.write(step + 1, metrics)
       writer.advance()
       if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
         ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
-      if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts:
+      if evals:
         acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
         signals, warnings = monitors.after_eval(step + 1, acc, len(eval_prompts))
         writer.write(step + 1, {"eval/accuracy": acc, **signals})
