@@ -67,7 +67,7 @@ def trl_seconds(path: str, steps: int) -> list[float]:
   ds = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
   model = transformers.AutoModelForCausalLM.from_pretrained(path)
   tok = transformers.AutoTokenizer.from_pretrained(path)
-  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on this AVX2-only CPU,
+  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on an AVX2-only CPU,
   # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * GENERATIONS,
