@@ -71,7 +71,7 @@ def trl_tokens_per_s(path: str, steps: int, precompute: bool) -> float:
   model = transformers.AutoModelForCausalLM.from_pretrained(path)
   ref = transformers.AutoModelForCausalLM.from_pretrained(path)
   tok = transformers.AutoTokenizer.from_pretrained(path)
-  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on this AVX2-only CPU,
+  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on an AVX2-only CPU,
   # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
     args = DPOConfig(output_dir=out, per_device_train_batch_size=PAIRS, max_steps=steps, learning_rate=1e-4,

@@ -73,7 +73,7 @@ def trl_tokens_per_s(records, batch_size: int, max_length: int, steps: int, warm
   tok = transformers.PreTrainedTokenizerFast(tokenizer_object=_dummy_tokenizer(), pad_token="<pad>",
                                              eos_token="<eos>")
   ds = datasets.Dataset.from_dict({"input_ids": records})
-  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on this AVX2-only CPU,
+  # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on an AVX2-only CPU,
   # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
     args = SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, max_steps=steps, learning_rate=LR,
