@@ -201,6 +201,11 @@ class GrpoSection:
   max_kl_action: Literal["stop", "lower_lr"] = "stop"   # past max_kl: checkpoint and stop, or lower the lr
   kl_lr_factor: float = 0.5            # lower_lr: multiply the learning rate by this at each breach
   entropy_floor: float = 0.01          # warn (monitor/entropy_collapse) below this mean token entropy; 0 = off
+  # Offline: truncated importance sampling (TIS; Yao et al. 2025, verl actor.tis_imp_ratio_cap). > 0: the clipped
+  # ratio is taken against the policy as it was before the step's update, and each token's loss is weighted by
+  # min(pi_old / pi_behaviour, cap), the stored behaviour log-probs correcting for the data's staleness. 0 = off:
+  # the clipped ratio is taken against the behaviour log-probs themselves.
+  tis_imp_ratio_cap: float = 0.0
 
   @property
   def updates_per_step(self) -> int:
@@ -651,6 +656,10 @@ def _validate_grpo(cfg: RunConfig) -> None:
     raise ConfigError(f"config.grpo.dynamic_sampling=True drops groups whose rewards are all equal: with "
                       f"sampling.num_samples={s.num_samples} every group would be dropped; set num_samples >= 2 or "
                       "dynamic_sampling=False")
+  if g.tis_imp_ratio_cap < 0 or (g.tis_imp_ratio_cap and not g.buffer):
+    raise ConfigError(f"config.grpo.tis_imp_ratio_cap={g.tis_imp_ratio_cap}: truncated importance weights need "
+                      "behaviour log-probs, which a replay buffer (grpo.buffer) stores; accepted: 0 (off) or a cap "
+                      "> 0 (e.g. 2.0) with grpo.buffer set")
   if g.adv_estimator == "remax" and g.buffer:
     raise ConfigError("config.grpo.adv_estimator='remax' samples a greedy baseline response per prompt while "
                       "training; a replay buffer (grpo.buffer) has none: use online training or another estimator")

@@ -79,6 +79,14 @@ def policy_loss_matrix(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip
   return clipped, metrics
 
 
+def truncated_is_weights(old_logp, behaviour_logp, cap: float):
+  """Per-token truncated importance weights min(pi_old / pi_behaviour, cap), gradient stopped: TIS (Yao et al.
+  2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's `tis_imp_ratio_cap`
+  multiplies the clipped per-token loss by them). They correct for data sampled by an older or different policy."""
+  log_w = jnp.clip(old_logp - behaviour_logp, -20.0, 20.0)
+  return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), cap))
+
+
 def policy_loss(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
                 clip_c: float | None = None, agg: str = "token-mean", mode: str = "vanilla"):
   """Aggregated clipped surrogate (GSPO always aggregates seq-mean-token-mean, as verl does) and metrics."""

@@ -4,7 +4,9 @@ Batch layout (all [N, ...]): `tokens` [N, P+R] = left-padded prompt then respons
 forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R] (without
 `ref_logp`, as when the KL coefficient is 0, the loss has no KL term and reports no KL). Without
 `old_logp` the update is on-policy (one epoch, one mini-batch): the old policy is the current one, so its log-probs
-are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. The
+are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. With
+`tis_cap` > 0 the batch also holds `behaviour_logp` [N, R], the log-probs of the policy that sampled the data (a
+replay buffer's), and each token's clipped loss is weighted by min(pi_old / pi_behaviour, tis_cap). The
 loss comes back as (numerator, denominator) so the train step normalises over the global batch.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ class GrpoLossConfig:
   temperature: float = 1.0
   global_rows: int = 0               # rows per optimizer step (for seq-mean-token-sum-norm)
   group_size: int = 0                # > 1: rows come in groups of this many samples of one prompt (see below)
+  tis_cap: float = 0.0               # > 0: truncated importance weights against `behaviour_logp`
 
 
 def response_logprobs(graphdef, params, batch: dict, temperature: float,
@@ -57,6 +60,9 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
                                             mode=cfg.mode)
+    if cfg.tis_cap:
+      weights = policy.truncated_is_weights(old_logp, batch["behaviour_logp"], cfg.tis_cap)
+      pg = pg * weights
     kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind) if "ref_logp" in batch else None
     total = (pg if kl is None else pg + cfg.kl_coef * kl) - cfg.entropy_coef * entropy
     agg = "seq-mean-token-mean" if cfg.mode == "gspo" else cfg.agg
@@ -65,6 +71,11 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     sums = {"actor/pg_loss": policy.aggregate_parts(pg, mask, agg, global_rows=cfg.global_rows or None)[0],
             "actor/entropy": jnp.sum(entropy * mask) * den / jnp.maximum(jnp.sum(mask), 1.0),
             "actor/pg_clipfrac": metrics["pg_clipfrac"] * den, "actor/ppo_kl": metrics["ppo_kl"] * den}
+    if cfg.tis_cap:  # verl's names; the mean is of the truncated weights
+      per_token = den / jnp.maximum(jnp.sum(mask), 1.0)
+      sums["mismatch/rollout_is_mean"] = jnp.sum(weights * mask) * per_token
+      over = (old_logp - batch["behaviour_logp"] > jnp.log(cfg.tis_cap)).astype(jnp.float32)
+      sums["mismatch/rollout_is_ratio_fraction_high"] = jnp.sum(over * mask) * per_token
     if kl is not None:
       sums["actor/kl_loss"] = jnp.sum(kl * mask) * den / jnp.maximum(jnp.sum(mask), 1.0)
     return num, den, sums

@@ -152,7 +152,8 @@ def run(cfg: RunConfig) -> dict:
   group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
   loss_cfg = objective.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode,
                                       agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
-                                      entropy_coef=g.entropy_coef, temperature=s.temperature, group_size=group_size)
+                                      entropy_coef=g.entropy_coef, temperature=s.temperature, group_size=group_size,
+                                      tis_cap=g.tis_imp_ratio_cap)
   # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
   compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
   batch_sharding = parallel.batch_sharding(mesh)
@@ -308,10 +309,13 @@ def run(cfg: RunConfig) -> dict:
                "segment_ids": segment.astype(np.int32),
                "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
                "response": response.astype(np.int32), "response_mask": response_mask}
-      if behaviour is not None:  # offline: importance ratios against the stored behaviour log-probs
-        batch["old_logp"] = behaviour
+      # Offline, the clipped ratio is taken against the stored behaviour log-probs, or (TIS) against the policy
+      # before this step's update, the behaviour log-probs then giving each token's truncated importance weight.
+      old_is_current = behaviour is None or bool(g.tis_imp_ratio_cap)
+      if behaviour is not None:
+        batch["behaviour_logp" if g.tis_imp_ratio_cap else "old_logp"] = behaviour
       device_batch = loop.global_from_full(batch, batch_sharding)
-      if behaviour is None and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
+      if old_is_current and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
         device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
       logs = (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps
       evals = bool(cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts)
@@ -319,7 +323,7 @@ def run(cfg: RunConfig) -> dict:
       if ref_every_step:
         device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
       elif logs or evals:  # the policy's log-probs before this step's update, as the loss would see them on-policy
-        current = device_batch["old_logp"] if behaviour is None and "old_logp" in device_batch else \
+        current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
             logprobs(full(state.params), device_batch)
         kl_to_ref = (current, ref_logprobs(reference, device_batch))
       kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef

@@ -57,6 +57,8 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
                                                                         r"sampling.num_samples=1 every group"),
     (dict(grpo__adv_estimator="remax", grpo__buffer="runs/x"), r"'remax' samples a greedy baseline .* a replay "
                                                                r"buffer \(grpo.buffer\) has none"),
+    (dict(grpo__tis_imp_ratio_cap=2.0), r"config.grpo.tis_imp_ratio_cap=2.0: truncated importance weights need "
+                                        r"behaviour log-probs, which a replay buffer \(grpo.buffer\) stores"),
     (dict(grpo__dynamic_sampling=False, grpo__max_gen_batches=2), r"config.grpo.max_gen_batches=2: .* only with "
                                                                   r"grpo.dynamic_sampling=True"),
     (dict(grpo__compact_sizes=3), r"config.grpo.compact_sizes=3: needs grpo.dynamic_sampling=True .* must divide "
@@ -183,6 +185,17 @@ def test_offline_grpo_reads_the_rollout_buffer(tmp_path):
   # Importance ratios are taken against the stored behaviour log-probs, so the first update already sees a
   # (small) policy/behaviour gap rather than exactly 1.
   assert all(abs(r["actor/ppo_kl"]) < 1.0 for r in steps)
+  # With truncated importance weights the ratio is taken against the policy before the update (on-policy here:
+  # ppo_kl 0) and the behaviour log-probs weight the tokens: at step 1 the policy is the one that wrote the buffer,
+  # so the weights are 1 up to the sampler's and the training forward's rounding.
+  _run(tmp_path / "tis", f"--config.grpo.buffer={tmp_path / 'rollout' / 'buffer'}", "--config.grpo.mini_batches=1",
+       "--config.grpo.tis_imp_ratio_cap=2.0", "--config.sampling.max_new_tokens=16", "--config.train.steps=2",
+       "--config.grpo.eval_prompts=")
+  steps = [json.loads(l) for l in open(tmp_path / "tis" / "metrics.jsonl") if "actor/pg_loss" in l]
+  assert len(steps) == 2 and all(r["actor/ppo_kl"] == 0.0 for r in steps)
+  assert abs(steps[0]["mismatch/rollout_is_mean"] - 1.0) < 1e-3
+  assert steps[0]["mismatch/rollout_is_ratio_fraction_high"] == 0.0
+  assert 0.0 < steps[1]["mismatch/rollout_is_mean"] <= 2.0
 
 
 def test_offline_buffer_checks_group_sizes(tmp_path):
@@ -232,6 +245,48 @@ def test_on_policy_update_skips_the_old_policy_forward():
   np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
   for ga, gb in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
     np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-7)
+
+
+def test_truncated_importance_weights_scale_each_tokens_loss():
+  """TIS (verl tis_imp_ratio_cap): the clipped per-token loss times min(exp(old - behaviour), cap), token-mean, the
+  weights carrying no gradient. On-policy (no `old_logp`) that is the plain loss with advantages scaled by the
+  weights; with `old_logp` from an earlier policy it is NumPy's clipped surrogate times the weights."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jalign.objectives import grpo
+
+  graphdef, params = _tiny_model()
+  rng = np.random.RandomState(1)
+  n, p, r = 4, 6, 5
+  batch = {"tokens": jnp.asarray(rng.randint(1, 64, (n, p + r)), jnp.int32),
+           "segment_ids": jnp.ones((n, p + r), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(p + r), (n, p + r)),
+           "response_mask": jnp.asarray(np.arange(r)[None] < rng.randint(1, r + 1, (n, 1)), jnp.int32),
+           "advantages": jnp.asarray(rng.randn(n, r), jnp.float32)}
+  batch["response"] = batch["tokens"][:, p:]
+  logp = np.asarray(grpo.response_logprobs(graphdef, params, batch, 1.0)[0])
+  behaviour = logp + rng.randn(n, r) * 0.8  # a stale behaviour policy: weights on both sides of 1 and over the cap
+  weights = np.minimum(np.exp(logp - behaviour), 1.5)
+  mask = np.asarray(batch["response_mask"], np.float32)
+  assert (weights[mask > 0] == 1.5).any() and (weights[mask > 0] < 1.0).any()
+  cfg = grpo.GrpoLossConfig(kl_coef=0.0, tis_cap=1.5)
+  tis = {**batch, "behaviour_logp": jnp.asarray(behaviour, jnp.float32)}
+  scaled = {**batch, "advantages": batch["advantages"] * weights}
+  a = jax.value_and_grad(lambda prm: (lambda o: o[0] / o[1])(grpo.make_loss_fn(graphdef, cfg)(prm, tis)))(params)
+  b = jax.value_and_grad(lambda prm: (lambda o: o[0] / o[1])(
+      grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(kl_coef=0.0))(prm, scaled)))(params)
+  np.testing.assert_allclose(a[0], b[0], rtol=1e-5)
+  for ga, gb in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
+    np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-7)
+  old = logp + rng.randn(n, r) * 0.3
+  num, den, sums = grpo.make_loss_fn(graphdef, cfg)(params, {**tis, "old_logp": jnp.asarray(old, jnp.float32)})
+  ratio = np.exp(logp - old)
+  adv = np.asarray(batch["advantages"])
+  per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28)) * np.minimum(np.exp(old - behaviour), 1.5)
+  np.testing.assert_allclose(num / den, (per_token * mask).sum() / mask.sum(), rtol=1e-4)
+  np.testing.assert_allclose(sums["mismatch/rollout_is_mean"] / den,
+                             (np.minimum(np.exp(old - behaviour), 1.5) * mask).sum() / mask.sum(), rtol=1e-4)
 
 
 def test_kl_bound_can_lower_the_learning_rate_instead_of_stopping(tmp_path):
