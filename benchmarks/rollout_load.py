@@ -40,7 +40,8 @@ def rollout(prompts_file: str, n_prompts: int, run_dir: str, args) -> dict:
   cmd = [sys.executable, "-m", "jalign.run", "--config=configs/rollout.py", f"--config.run_dir={run_dir}",
          f"--config.rollout.prompts={prompts_file}", f"--config.rollout.limit={n_prompts}",
          f"--config.rollout.prompts_per_batch={args.per_batch}", f"--config.sampling.num_samples={args.samples}",
-         f"--config.rollout.format={args.format}"]
+         f"--config.rollout.format={args.format}",
+         "--config.sampling.max_new_tokens=16"]  # as the figures in benchmarks/README.md were measured
   env = {**os.environ, "TQDM_DISABLE": "1"}
   start = time.perf_counter()
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

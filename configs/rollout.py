@@ -28,7 +28,8 @@ def get_config(arg=None):
   # jalign/parallel/distributed.py. cpu_devices: CPU devices per process (tests, laptops).
   c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1,
                                                  cpu_devices=0, timeout_s=300))
-  c.sampling = ml_collections.ConfigDict(dict(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+  # 8 new tokens and 8 samples, as configs/grpo.py trains with: its offline mode reads this buffer as it is.
+  c.sampling = ml_collections.ConfigDict(dict(max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
                                               num_samples=8, max_prompt_length=48, layout="training"))
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0,
                                             length_target=0, length_weight=0.0))

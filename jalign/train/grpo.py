@@ -92,7 +92,8 @@ class OfflineBuffer:
       longest = max(len(m["response_ids"]) for m in members)
       if longest > max_new:
         raise ValueError(f"{directory}: group {members[0]['group_id']} has a {longest}-token response, longer than "
-                         f"sampling.max_new_tokens={max_new}")
+                         f"sampling.max_new_tokens={max_new}; set sampling.max_new_tokens to at least the rollout's "
+                         f"(here >= {longest}), or write the buffer with the training run's")
 
   def __len__(self) -> int:
     return len(self.groups)

@@ -178,7 +178,7 @@ def test_offline_grpo_reads_the_rollout_buffer(tmp_path):
                   f"--config.run_dir={tmp_path / 'rollout'}", "--config.rollout.prompts=synthetic:arith:train:16"],
                  cwd=ROOT, check=True, capture_output=True, timeout=600)
   _run(tmp_path / "offline", f"--config.grpo.buffer={tmp_path / 'rollout' / 'buffer'}",
-       "--config.sampling.max_new_tokens=16", "--config.train.steps=2", "--config.grpo.eval_prompts=")
+       "--config.train.steps=2", "--config.grpo.eval_prompts=")
   rows = [json.loads(l) for l in open(tmp_path / "offline" / "metrics.jsonl")]
   steps = [r for r in rows if "actor/pg_loss" in r]
   assert len(steps) == 2
@@ -189,7 +189,7 @@ def test_offline_grpo_reads_the_rollout_buffer(tmp_path):
   # ppo_kl 0) and the behaviour log-probs weight the tokens: at step 1 the policy is the one that wrote the buffer,
   # so the weights are 1 up to the sampler's and the training forward's rounding.
   _run(tmp_path / "tis", f"--config.grpo.buffer={tmp_path / 'rollout' / 'buffer'}", "--config.grpo.mini_batches=1",
-       "--config.grpo.tis_imp_ratio_cap=2.0", "--config.sampling.max_new_tokens=16", "--config.train.steps=2",
+       "--config.grpo.tis_imp_ratio_cap=2.0", "--config.train.steps=2",
        "--config.grpo.eval_prompts=")
   steps = [json.loads(l) for l in open(tmp_path / "tis" / "metrics.jsonl") if "actor/pg_loss" in l]
   assert len(steps) == 2 and all(r["actor/ppo_kl"] == 0.0 for r in steps)
