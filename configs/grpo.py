@@ -40,7 +40,7 @@ def get_config(arg=None):
   c.grpo = ml_collections.ConfigDict(dict(
       # One on-policy update per step over 64 prompts x 8 samples (no separate old-policy forward). No KL term in
       # the loss (kl_coef=0, as DAPO): the reference then runs only on the steps that report the KL to it, 14% less
-      # time per step for the same held-out accuracy as kl_coef=0.001 (benchmarks/README.md, three seeds each).
+      # time per step for the same held-out accuracy as kl_coef=0.001 (benchmarks/README.md, four seeds each).
       prompts="synthetic:arith:train", buffer="", prompts_per_step=64, mini_batches=1, ppo_epochs=1,
       adv_estimator="grpo", gamma=1.0, lam=1.0, critic_lr=1e-5, value_clip=0.5, critic_warmup=0,
       clip_low=0.2, clip_high=0.28, loss_mode="vanilla", agg="token-mean", kl_coef=0.0, kl_kind="k3",
