@@ -221,23 +221,26 @@ def _tiny_model():
   return graphdef, nnx.to_pure_dict(state)
 
 
+def _tiny_batch(rng, n=4, p=6, r=5):
+  """A GRPO batch for `_tiny_model`: n rows of p prompt and r response tokens, ragged response masks, random
+  advantages."""
+  batch = {"tokens": jnp.asarray(rng.randint(1, 64, (n, p + r)), jnp.int32),
+           "segment_ids": jnp.ones((n, p + r), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(p + r), (n, p + r)),
+           "response_mask": jnp.asarray(np.arange(r)[None] < rng.randint(1, r + 1, (n, 1)), jnp.int32),
+           "advantages": jnp.asarray(rng.randn(n, r), jnp.float32)}
+  batch["response"] = batch["tokens"][:, p:]
+  return batch
+
+
 def test_on_policy_update_skips_the_old_policy_forward():
   """Without `old_logp`, the loss and gradients equal those with the old log-probs from a separate forward at the
   same parameters (the on-policy case: ratio 1)."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
   from jalign.objectives import grpo
 
   graphdef, params = _tiny_model()
   rng = np.random.RandomState(0)
-  n, p, r = 4, 6, 5
-  batch = {"tokens": jnp.asarray(rng.randint(1, 64, (n, p + r)), jnp.int32),
-           "segment_ids": jnp.ones((n, p + r), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(p + r), (n, p + r)),
-           "response_mask": jnp.asarray(np.arange(r)[None] < rng.randint(1, r + 1, (n, 1)), jnp.int32),
-           "advantages": jnp.asarray(rng.randn(n, r), jnp.float32), "ref_logp": jnp.asarray(-rng.rand(n, r) * 4)}
-  batch["response"] = batch["tokens"][:, p:]
+  batch = _tiny_batch(rng)
+  batch["ref_logp"] = jnp.asarray(-rng.rand(*batch["response"].shape) * 4)
   loss_fn = grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(kl_coef=0.1, entropy_coef=0.01))
   with_old = {**batch, "old_logp": grpo.response_logprobs(graphdef, params, batch, 1.0)[0]}
   a = jax.value_and_grad(lambda prm: loss_fn(prm, batch)[0])(params)
@@ -251,20 +254,12 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
   """TIS (verl tis_imp_ratio_cap): the clipped per-token loss times min(exp(old - behaviour), cap), token-mean, the
   weights carrying no gradient. On-policy (no `old_logp`) that is the plain loss with advantages scaled by the
   weights; with `old_logp` from an earlier policy it is NumPy's clipped surrogate times the weights."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
   from jalign.objectives import grpo
 
   graphdef, params = _tiny_model()
   rng = np.random.RandomState(1)
-  n, p, r = 4, 6, 5
-  batch = {"tokens": jnp.asarray(rng.randint(1, 64, (n, p + r)), jnp.int32),
-           "segment_ids": jnp.ones((n, p + r), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(p + r), (n, p + r)),
-           "response_mask": jnp.asarray(np.arange(r)[None] < rng.randint(1, r + 1, (n, 1)), jnp.int32),
-           "advantages": jnp.asarray(rng.randn(n, r), jnp.float32)}
-  batch["response"] = batch["tokens"][:, p:]
+  batch = _tiny_batch(rng)
+  n, r = batch["response"].shape
   logp = np.asarray(grpo.response_logprobs(graphdef, params, batch, 1.0)[0])
   behaviour = logp + rng.randn(n, r) * 0.8  # a stale behaviour policy: weights on both sides of 1 and over the cap
   weights = np.minimum(np.exp(logp - behaviour), 1.5)
