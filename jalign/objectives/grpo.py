@@ -68,15 +68,14 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     agg = "seq-mean-token-mean" if cfg.mode == "gspo" else cfg.agg
     num, den = policy.aggregate_parts(total, mask, agg, global_rows=cfg.global_rows or None)
     # Metric sums: each divided by the step's summed denominator, so token-mean metrics come out as global means.
+    per_token = den / jnp.maximum(jnp.sum(mask), 1.0)
     sums = {"actor/pg_loss": policy.aggregate_parts(pg, mask, agg, global_rows=cfg.global_rows or None)[0],
-            "actor/entropy": jnp.sum(entropy * mask) * den / jnp.maximum(jnp.sum(mask), 1.0),
+            "actor/entropy": jnp.sum(entropy * mask) * per_token,
             "actor/pg_clipfrac": metrics["pg_clipfrac"] * den, "actor/ppo_kl": metrics["ppo_kl"] * den}
-    if cfg.tis_cap:  # verl's names; the mean is of the truncated weights
-      per_token = den / jnp.maximum(jnp.sum(mask), 1.0)
+    if cfg.tis_cap:  # verl's names; the mean is of the truncated weights, the fraction of those at the cap
       sums["mismatch/rollout_is_mean"] = jnp.sum(weights * mask) * per_token
-      over = (old_logp - batch["behaviour_logp"] > jnp.log(cfg.tis_cap)).astype(jnp.float32)
-      sums["mismatch/rollout_is_ratio_fraction_high"] = jnp.sum(over * mask) * per_token
+      sums["mismatch/rollout_is_ratio_fraction_high"] = jnp.sum((weights >= cfg.tis_cap) * mask) * per_token
     if kl is not None:
-      sums["actor/kl_loss"] = jnp.sum(kl * mask) * den / jnp.maximum(jnp.sum(mask), 1.0)
+      sums["actor/kl_loss"] = jnp.sum(kl * mask) * per_token
     return num, den, sums
   return loss_fn
