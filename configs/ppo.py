@@ -28,7 +28,7 @@ def get_config(arg=None):
     c.train.update(steps=150, eval_every=50)
     c.checkpoint.every = 50
   c.grpo.update(mini_batches=2, adv_estimator="gae", lam=0.95, critic_lr=1e-4, clip_high=0.2, kl_coef=0.01,
-                kl_kind="k1", kl_in_reward=True, dynamic_sampling=False)
+                kl_kind="k1", kl_in_reward=True, dynamic_sampling=False, compact_sizes=0)
   if arg == "tiny":
     c.grpo.kl_ctrl = "adaptive"  # so the tiny run (and its resume test) exercises the controller
   return c
