@@ -6,7 +6,7 @@
 The GRPO config (configs/grpo.py) with a critic instead of group baselines. The critic is a copy of the policy with
 a fresh value head and its own learning rate; the KL to the reference is subtracted from the reward (k1, coefficient
 0.01), as in classic RLHF PPO; `--config.grpo.kl_ctrl=adaptive` steers the coefficient towards `kl_target` instead
-(Ziegler et al. 2019). On the shipped policy: held-out accuracy 66.4% -> 71.0% in 150 steps (about 5 minutes on 2
+(Ziegler et al. 2019). On the shipped policy: held-out accuracy 66.4% -> 71.0% in 150 steps (5-8 minutes on 2
 CPU cores).
 """
 import importlib.util
