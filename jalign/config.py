@@ -31,9 +31,14 @@ class ModelSection:
   compute_dtype: Literal["", "float32", "bfloat16"] = ""       # activations; "" = dtype
   scan_layers: bool = True
   remat: Literal["none", "full", "dots"] = "none"
+  attention: Literal["auto", "xla", "chunked"] = "auto"  # `kernels.attention` impl (training and scoring)
   lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning
   offload_reference: bool = False      # DPO / GRPO / PPO: keep the frozen reference in host memory, copied to the
                                        # device only for its forward passes
+
+  def knobs(self) -> dict:
+    """The runtime fields of `ModelConfig` this section sets on a loaded or created model."""
+    return dict(scan_layers=self.scan_layers, remat=self.remat, attention=self.attention)
 
 
 @dataclasses.dataclass(frozen=True)

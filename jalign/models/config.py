@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from jalign.kernels.attn import IMPLS as ATTENTION_IMPLS
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
@@ -79,6 +81,7 @@ class ModelConfig:
   dtype: str = "float32"                   # activation / compute dtype
   scan_layers: bool = True                 # lax.scan over layers: compile time flat in depth
   remat: str = "none"                      # none | full | dots (save matmul outputs, recompute the rest)
+  attention: str = "auto"                  # `kernels.attention` impl for training and scoring forwards
 
   def __post_init__(self):
     if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -91,6 +94,8 @@ class ModelConfig:
                         f"num_key_value_heads={self.num_kv_heads}")
     if self.activation not in ("silu", "gelu_tanh", "gelu"):
       raise ConfigError(f"activation {self.activation!r}; accepted: silu, gelu_tanh, gelu")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ConfigError(f"attention {self.attention!r}; accepted: {', '.join(ATTENTION_IMPLS)}")
     if self.remat not in ("none", "full", "dots"):
       raise ConfigError(f"remat {self.remat!r}; accepted: none, full, dots")
     for key in ("param_dtype", "dtype"):

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jalign import kernels
+from jalign.kernels.attn import attention_mask as _attention_mask, gqa_attention
 from jalign.models import lora as lora_lib
-from jalign.models.attention import apply_rope, attention_mask, gqa_attention, positions_from_mask
-
-_build_mask = attention_mask  # forward()'s `attention_mask` argument shadows the name there
+from jalign.models.attention import apply_rope, positions_from_mask
 from jalign.models.config import ModelConfig
 from jalign.models.sharding import AXES, DEFAULT_RULES, state_shardings
 
@@ -125,11 +125,12 @@ def _dense(x, w, in_dims: int = 1):
 
 
 def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
-                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index, mask_BxTxS=None, dropout_key=None, *,
+                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index, dropout_key=None, *,
                   lora: lora_lib.LoraConfig | None = None):
-  """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None. `mask_BxTxS`:
-  the attention mask when the caller built it once for all layers. `lora`: the adapters' settings when `lp` holds
-  adapters; `dropout_key` turns on their dropout (training only)."""
+  """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None: without one
+  the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots. Masks use
+  slot indices (`q_index_T`) for causality and windows, as transformers does. `lora`: the adapters' settings when
+  `lp` holds adapters; `dropout_key` turns on their dropout (training only)."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
 
@@ -146,18 +147,22 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
   q = apply_rope(q, positions_BxT, inv_freq_H2)
   k = apply_rope(k, positions_BxT, inv_freq_H2)
+  slots = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (x_BxTxD.shape[0], n))  # noqa: E731
+  q_slot_BxT = jnp.broadcast_to(q_index_T, q_segment_BxT.shape)
   if kv is None:
-    keys, values, k_segment = k, v, q_segment_BxT
     new_kv = None
+    attn = kernels.attention(q, k, v, q_segment_ids=q_segment_BxT, kv_segment_ids=q_segment_BxT,
+                             q_positions=q_slot_BxT, kv_positions=q_slot_BxT, sliding_window=window,
+                             softcap=cfg.attn_softcap, scale=cfg.scale, impl=cfg.attention)
   else:
     cache_k, cache_v, k_segment = kv  # [B, K, S, H]
     heads_first = lambda a, c: jnp.swapaxes(a, 1, 2).astype(c.dtype)  # noqa: E731  [B, T, K, H] -> [B, K, T, H]
     keys = jax.lax.dynamic_update_slice_in_dim(cache_k, heads_first(k, cache_k), cache_index, axis=2)
     values = jax.lax.dynamic_update_slice_in_dim(cache_v, heads_first(v, cache_v), cache_index, axis=2)
     new_kv = (keys, values)
-    keys, values = keys.astype(dt), values.astype(dt)
-  mask = attention_mask(q_segment_BxT, k_segment, q_index_T, window) if mask_BxTxS is None else mask_BxTxS
-  attn = gqa_attention(q, keys, values, mask, scale=cfg.scale, softcap=cfg.attn_softcap, kv_heads_first=kv is not None)
+    mask = _attention_mask(q_segment_BxT, k_segment, q_slot_BxT, slots(k_segment.shape[1]), sliding_window=window)
+    attn = gqa_attention(q, keys.astype(dt), values.astype(dt), mask, scale=cfg.scale, softcap=cfg.attn_softcap,
+                         kv_heads_first=True)
   out = proj(attn, "o", in_dims=2)
   if cfg.out_bias:
     out = out + w("o_bias")
@@ -260,18 +265,11 @@ class Decoder(nnx.Module):
     keys_L = None
     if dropout_rng is not None and lora is not None and lora.dropout > 0:
       keys_L = jax.random.split(dropout_rng, cfg.num_layers)
-    # The [B, T, T] masks are built once here, not in every layer: one per distinct window (at most two).
-    masks = {int(w): _build_mask(segment_ids_BxT, segment_ids_BxT, q_index_T, int(w)) for w in set(windows_L)}
 
     def body(x, xs):
       lp, window, inv_freq, key = xs
-      if len(masks) == 1:
-        mask = next(iter(masks.values()))
-      else:
-        (w_a, mask_a), (_, mask_b) = sorted(masks.items())
-        mask = jnp.where(window == w_a, mask_a, mask_b)
       return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, None, cache_index,
-                   mask, key)[0], None
+                   key)[0], None
 
     xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2), keys_L)
     if cfg.scan_layers:

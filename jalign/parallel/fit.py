@@ -57,8 +57,7 @@ def report(cfg, arch: str = "") -> dict:
     model_cfg = load_hf_config(m.path)[0]
   else:
     model_cfg = m.arch
-  model_cfg = model_cfg.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, scan_layers=m.scan_layers,
-                                remat=m.remat)
+  model_cfg = model_cfg.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, **m.knobs())
   mesh = parallel.mesh_from_config(cfg.mesh.shape)
   task = cfg.task
 

@@ -106,7 +106,7 @@ class Task:
 
 def load_model(cfg: RunConfig, mesh) -> models.Decoder:
   m = cfg.model
-  knobs = dict(scan_layers=m.scan_layers, remat=m.remat)
+  knobs = m.knobs()
   if m.path:
     return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, rules=cfg.mesh.rules,
                                   compute_dtype=m.compute_dtype or m.dtype, **knobs)

@@ -33,7 +33,7 @@ from jalign.train.preference import PreferenceTask
 
 def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
   m, r = cfg.model, cfg.rm
-  knobs = dict(scan_layers=m.scan_layers, remat=m.remat)
+  knobs = m.knobs()
   if m.path and models.is_sequence_classifier(m.path):
     if r.head != "linear":
       raise ValueError(f"{m.path} is a sequence classifier with a linear score head; config.rm.head={r.head!r}")

@@ -33,6 +33,17 @@ def test_fp32_logits_match_transformers_with_left_padding(family_ckpt):
   np.testing.assert_allclose(got[2, 5:], alone[0], atol=1e-4)
 
 
+def test_chunked_attention_logits_match_transformers(family_ckpt, monkeypatch):
+  """The flash-attention form, in blocks of 4 (so windows, padding and causality skip some block pairs)."""
+  from jalign.kernels import attn as attention_lib
+  monkeypatch.setattr(attention_lib, "BLOCKS", (4, 4))
+  family, model, path = family_ckpt
+  lm = models.from_pretrained(path, dtype="float32", attention="chunked")
+  ids, mask = ref.batch(model.config.vocab_size)
+  want = ref.hf_logits(model, ids, mask)
+  assert ref.max_diff(lm(jnp.asarray(ids), jnp.asarray(mask)), want, mask) <= 1e-4, family
+
+
 def test_bf16_stored_weights_load_exactly(family_ckpt, tmp_path):
   family, model, _ = family_ckpt
   # An fp32 reference whose weights are exactly bf16 values, saved as bf16. (Converting the bf16 model back with
