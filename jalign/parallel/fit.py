@@ -10,6 +10,14 @@ arguments), activations and temporaries (`temp`), and its outputs less what dona
 On an accelerator the compiler differs (fusion, layouts; the CPU compiler also runs bf16 matmuls in fp32, holding
 fp32 copies of gathered weights), so the CPU figure for temporaries is an upper estimate; the parameter and
 optimizer bytes are exact.
+
+`--topology=v5p-8` (an accelerator type or libtpu topology: `jalign.parallel.tpu_target`) compiles the same step
+for that TPU slice instead, on any host with libtpu: the figures are then the TPU compiler's HBM per chip, its
+peak from its own buffer schedule, and a lower bound on the step time (XLA's FLOPs at the chip's bf16 peak):
+
+    python -m jalign.parallel.fit --config=configs/sft.py --arch=llama3-8b --topology=v5p-8 \
+        --config.mesh.shape="(1,4,1)" --config.model.dtype=bfloat16 --config.model.remat=full \
+        --config.train.batch_size=4 --config.train.seq_len=8192
 """
 from __future__ import annotations
 
@@ -38,8 +46,9 @@ def _tree_bytes_per_device(abstract_tree) -> int:
   return total
 
 
-def report(cfg, arch: str = "") -> dict:
-  """Compiles `cfg`'s train step on the current devices and returns per-device bytes (see the module doc)."""
+def report(cfg, arch: str = "", target=None) -> dict:
+  """Compiles `cfg`'s train step on the current devices, or for a TPU slice (`target`: a
+  `tpu_target.Target`), and returns per-device bytes (see the module doc)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -58,7 +67,7 @@ def report(cfg, arch: str = "") -> dict:
   else:
     model_cfg = m.arch
   model_cfg = model_cfg.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, **m.knobs())
-  mesh = parallel.mesh_from_config(cfg.mesh.shape)
+  mesh = parallel.mesh_from_config(cfg.mesh.shape, None if target is None else target.devices)
   task = cfg.task
 
   def build():
@@ -109,6 +118,12 @@ def report(cfg, arch: str = "") -> dict:
           "outputs": int(mem.output_size_in_bytes), "aliased": int(mem.alias_size_in_bytes)}}
   b = out["bytes_per_device"]
   b["peak_estimate"] = b["arguments"] + b["temp"] + b["outputs"] - b["aliased"]
+  if target is not None:  # the TPU compiler's own peak (its buffer schedule), and a FLOP-bound step time
+    from jalign.parallel import tpu_target
+    b["peak"] = int(getattr(mem, "peak_memory_in_bytes", 0)) or b["peak_estimate"]
+    out["target"] = {"chip": target.chip.name, "topology": target.topology, "chips": target.num_chips,
+                     "hbm_gib": target.chip.hbm_gib,
+                     "step_time_lower_bound_s": tpu_target.step_time_lower_bound_s(compiled, target.chip)}
   return out
 
 
@@ -169,13 +184,23 @@ def _host_peak_rss() -> int | None:
 
 def format_report(r: dict, hbm_gib: float = 0.0) -> str:
   gib = lambda x: f"{x / 2**30:8.2f} GiB" if x >= 2**30 else f"{x / 2**20:8.2f} MiB"
-  b = r["bytes_per_device"]
-  lines = [f"{r['task']} step on {r['devices']} devices, mesh {r['mesh']}: {r['params_total'] / 1e6:,.1f} M params "
+  b, t = r["bytes_per_device"], r.get("target")
+  where = (f"{t['chip']} {t['topology']} ({t['chips']} chips), compiled for the TPU" if t else
+           f"{r['devices']} devices")
+  lines = [f"{r['task']} step on {where}, mesh {r['mesh']}: {r['params_total'] / 1e6:,.1f} M params "
            f"({r['trainable_params'] / 1e6:,.1f} M trainable); per device:",
            f"  parameters       {gib(b['params'])}", f"  optimizer state  {gib(b['optimizer_state'])}",
-           f"  temporaries      {gib(b['temp'])}", f"  peak (estimate)  {gib(b['peak_estimate'])}"]
+           f"  arguments        {gib(b['arguments'])}", f"  temporaries      {gib(b['temp'])}"]
+  if t:
+    lines.append(f"  peak             {gib(b['peak'])}")
+    if t["step_time_lower_bound_s"] is not None:
+      lines.append(f"  step time >= {t['step_time_lower_bound_s']:.3f} s (lower bound: XLA's FLOPs at the chip's "
+                   "bf16 peak)")
+    hbm_gib = hbm_gib or t["hbm_gib"]
+  else:
+    lines.append(f"  peak (estimate)  {gib(b['peak_estimate'])}")
   if hbm_gib:
-    fits = b["peak_estimate"] <= hbm_gib * 2**30
+    fits = b.get("peak", b["peak_estimate"]) <= hbm_gib * 2**30
     lines.append(f"  {'fits' if fits else 'DOES NOT FIT'} in {hbm_gib:g} GiB per device")
   return "\n".join(lines)
 
@@ -187,10 +212,14 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={devices}").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if any(a.startswith("--topology=") for a in argv):  # see tpu_target.target
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from absl import app, flags
   from ml_collections import config_flags
   config = config_flags.DEFINE_config_file("config", None, "configs/<task>.py[:arg]", lock_config=True)
   flags.DEFINE_integer("devices", 0, "fake this many host devices (0 = the machine's own)")
+  flags.DEFINE_string("topology", "", "compile for this TPU slice instead (v5p-8, v5e-8, v6e-8, v5p-64, v5e:2x2; "
+                      "needs libtpu, not a TPU)")
   flags.DEFINE_enum("arch", "", [""] + sorted(ARCHS), "a preset model shape instead of model.path / model.arch")
   flags.DEFINE_float("hbm_gib", 0.0, "memory per device to compare against (e.g. 16 v5e, 95 v5p, 141 H200)")
   flags.DEFINE_string("json", "", "also write the report here")
@@ -199,8 +228,10 @@ def main(argv=None) -> int:
     import jax
 
     from jalign.config import validate
-    cfg = validate(config.value, jax.device_count())
-    r = report(cfg, flags.FLAGS.arch)
+    from jalign.parallel import tpu_target
+    target = tpu_target.target(flags.FLAGS.topology) if flags.FLAGS.topology else None
+    cfg = validate(config.value, jax.device_count() if target is None else target.num_chips)
+    r = report(cfg, flags.FLAGS.arch, target)
     r["host_peak_rss_bytes"] = _host_peak_rss()
     print(format_report(r, flags.FLAGS.hbm_gib))
     if flags.FLAGS.json:

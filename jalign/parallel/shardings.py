@@ -8,10 +8,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jalign.models.sharding import make_mesh
 
 
-def mesh_from_config(shape: tuple[int, int, int]) -> Mesh:
-  """('data', 'fsdp', 'tensor') over the devices of all processes; one entry may be -1 for the remaining ones.
-  Without -1 the mesh may be smaller than the machine: it takes the first devices."""
-  devices = jax.devices()
+def mesh_from_config(shape: tuple[int, int, int], devices=None) -> Mesh:
+  """('data', 'fsdp', 'tensor') over the devices of all processes (or `devices`, e.g. a TPU compile target's); one
+  entry may be -1 for the remaining ones. Without -1 the mesh may be smaller than the machine: it takes the first
+  devices."""
+  devices = list(jax.devices() if devices is None else devices)
   fixed = int(np.prod([s for s in shape if s != -1]))
   if any(s == 0 or s < -1 for s in shape) or fixed > len(devices) or (-1 in shape and len(devices) % fixed):
     raise ValueError(f"mesh.shape={tuple(shape)} does not fit the {len(devices)} available devices "

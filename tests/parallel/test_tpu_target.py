@@ -1,0 +1,59 @@
+"""TPU as a compile target on this CPU host (libtpu from the test extra): accelerator types map to Cloud TPU's slice
+shapes, programs compile for the TPU devices and report the chip's memory, and the fit check compiles a task's real
+step for a slice."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jalign.parallel import fit, tpu_target
+from tests.configs_util import run_config
+
+
+@pytest.mark.parametrize("name, topology, chips", [
+    ("v5p-8", "v5:2x2x1", 4),         # v5p counts TensorCores: 8 cores = 4 chips
+    ("v5p-64", "v5:2x4x4", 32),
+    ("v5e-8", "v5e:2x4", 8),          # v5e / v6e count chips
+    ("v5litepod-16", "v5e:4x4", 16),
+    ("v6e-8", "v6e:2x4", 8),
+    ("v4-8", "v4:2x2x1", 4),
+    ("v5e:2x2", "v5e:2x2", 4),        # a libtpu topology name as is
+])
+def test_accelerator_types_map_to_cloud_slices(name, topology, chips):
+  chip, got = tpu_target.parse(name)
+  assert got == topology
+  t = tpu_target.target(name)
+  assert t.num_chips == chips and t.topology == topology
+  assert {d.platform for d in t.devices} == {"tpu"}
+  assert {d.device_kind for d in t.devices} == {chip.device_kind}
+
+
+@pytest.mark.parametrize("name, message", [
+    ("v3-8", "GEN one of v4, v5e, v5p, v6e"), ("v5p-7", "two per chip"), ("v5e-6", "power-of-two"),
+    ("v5e:2x2x1", "2 dimensions"), ("tpu", "expected an accelerator type"),
+])
+def test_bad_targets_say_what_is_accepted(name, message):
+  with pytest.raises(ValueError, match=message):
+    tpu_target.parse(name)
+
+
+def test_a_program_compiles_for_the_tpu_with_its_hbm_figures():
+  t = tpu_target.target("v5e-4")
+  mesh = jax.sharding.Mesh(t.devices, ("x",))
+  x = jax.ShapeDtypeStruct((2048, 4096), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  compiled = jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0)).lower(x).compile()
+  mem = compiled.memory_analysis()
+  assert mem.argument_size_in_bytes == 2048 * 4096 * 4 // 4  # one row shard per chip
+  assert mem.peak_memory_in_bytes >= mem.argument_size_in_bytes
+  # [512, 4096] @ [4096, 2048] per chip: 2 * 512 * 4096 * 2048 FLOPs at 197 TFLOP/s.
+  bound = tpu_target.step_time_lower_bound_s(compiled, t.chip)
+  assert bound == pytest.approx(2 * 512 * 4096 * 2048 / 197e12, rel=0.05)
+
+
+def test_fit_report_compiles_the_task_step_for_a_slice():
+  r = fit.report(run_config("sft", mesh__shape=(1, 4, 1)), target=tpu_target.target("v5e-4"))
+  assert r["target"]["chip"] == "TPU v5e" and r["target"]["chips"] == 4 and r["devices"] == 4
+  b = r["bytes_per_device"]
+  assert b["peak"] >= b["arguments"] > 0
+  assert r["target"]["step_time_lower_bound_s"] > 0
+  assert "compiled for the TPU" in fit.format_report(r) and "fits in 16 GiB" in fit.format_report(r)
