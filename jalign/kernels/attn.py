@@ -12,8 +12,11 @@ impl:
   time, with a custom backward that recomputes each block from the saved logsumexp (FlashAttention-2, Dao 2023,
   Algorithms 1-2). Memory is linear in T; block pairs that no query-key pair of the batch can use (causality,
   window, segments, judged from per-block ranges of positions and segment ids) are skipped in both passes.
-- `auto`: `xla` while the score tensor is small (the short sequences of the tests and the demo task, where it is
-  fastest), `chunked` from `AUTO_CHUNKED_FROM` key positions on.
+- `splash`: Pallas splash attention on TPU (see `splash.py`), shard_mapped over the batch and head mesh axes.
+  Causality and windows over slot indices (self-attention, T == S, positions ignored), a Python int window.
+- `auto`: the best for the target (the platform of the mesh set by `jax.set_mesh`, else the default backend): on
+  TPU `splash` where it applies (T == S, a static window), on CPU and GPU `xla` while the score tensor is small (the
+  short sequences of the tests and the demo task, where it is fastest), `chunked` from `AUTO_CHUNKED_FROM` keys on.
 """
 from __future__ import annotations
 
@@ -23,10 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IMPLS = ("xla", "chunked", "auto")
+IMPLS = ("xla", "chunked", "splash", "auto")
 AUTO_CHUNKED_FROM = 512    # keys per row from which `auto` takes `chunked` (faster than `xla` from there on CPU)
 BLOCKS = (256, 256)        # (query, key) block of `chunked`: the fastest of 128-1024 on XLA:CPU at T = 512-8192
 _MASKED = -1e30            # finite, so the reference's fully masked (padding) rows stay NaN-free
+
+
+def target_platform() -> str:
+  """The platform being compiled for: that of the devices of the mesh set by `jax.set_mesh` (a TPU topology's when
+  compiling ahead of time for one), else the default backend."""
+  device = None if jax.sharding.get_abstract_mesh().empty else jax.sharding.get_abstract_mesh().abstract_device
+  return jax.default_backend() if device is None else device.platform
 
 
 def attention_mask(q_segment_BxT, kv_segment_BxS, q_positions_BxT, kv_positions_BxS, *, causal=True,
@@ -68,10 +78,11 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               q_positions: jax.Array | None = None, kv_positions: jax.Array | None = None, causal: bool = True,
               sliding_window=None, softcap: float | None = None, scale: float | None = None, impl: str = "auto",
-              blocks: tuple[int, int] | None = None) -> jax.Array:
+              blocks: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
   """Attention output [B, T, N, H]. Segment ids default to one segment, positions to 0, 1, ...; `scale` to
   H ** -0.5. `sliding_window`: an int, a traced int scalar, or None (0 = unlimited too). `blocks`: `chunked`'s
-  (query, key) block sizes; None = `BLOCKS`."""
+  (query, key) block sizes; None = `BLOCKS`. `interpret`: run `splash` in Pallas' interpret mode (any backend;
+  slow: a correctness check)."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl {impl!r}; available: {', '.join(IMPLS)}")
   B, T, N, H = q_BxTxNxH.shape
@@ -87,7 +98,15 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
   kv_pos = steps(S) if kv_positions is None else kv_positions.astype(jnp.int32)
   scale = H ** -0.5 if scale is None else float(scale)
   if impl == "auto":
-    impl = "chunked" if S >= AUTO_CHUNKED_FROM else "xla"
+    static_window = sliding_window is None or isinstance(sliding_window, (int, np.integer))
+    if target_platform() == "tpu" and T == S and static_window:
+      impl = "splash"
+    else:
+      impl = "chunked" if S >= AUTO_CHUNKED_FROM else "xla"
+  if impl == "splash":
+    from jalign.kernels.splash import splash_attention
+    return splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg, kv_seg, causal=causal, window=sliding_window,
+                            softcap=softcap, scale=scale, interpret=interpret)
   if impl == "xla":
     mask = attention_mask(q_seg, kv_seg, q_pos, kv_pos, causal=causal, sliding_window=sliding_window)
     return gqa_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, scale=scale, softcap=softcap)

@@ -182,11 +182,12 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   return x + out, new_kv
 
 
-def _remat(fn, mode: str):
+def _remat(fn, mode: str, static_argnums=(0,)):
   if mode == "full":
-    return jax.checkpoint(fn, static_argnums=(0,))
+    return jax.checkpoint(fn, static_argnums=static_argnums)
   if mode == "dots":
-    return jax.checkpoint(fn, static_argnums=(0,), policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+    return jax.checkpoint(fn, static_argnums=static_argnums,
+                          policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
   return fn
 
 
@@ -261,13 +262,17 @@ class Decoder(nnx.Module):
         cache = KVCache(tuple(new_k), tuple(new_v), k_segment, cache_index + T)
       return rms_norm(x, self.final_norm[...], cfg), cache
 
-    layer = _remat(functools.partial(decoder_layer, lora=lora), cfg.remat)
     keys_L = None
     if dropout_rng is not None and lora is not None and lora.dropout > 0:
       keys_L = jax.random.split(dropout_rng, cfg.num_layers)
+    # One window for every layer (all but Gemma 2/3) stays a Python int: kernels may build their masks from it.
+    static_window = int(windows_L[0]) if len(set(windows_L.tolist())) == 1 else None
+    layer = _remat(functools.partial(decoder_layer, lora=lora), cfg.remat,
+                   (0,) if static_window is None else (0, 3))
 
     def body(x, xs):
       lp, window, inv_freq, key = xs
+      window = window if static_window is None else static_window
       return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, None, cache_index,
                    key)[0], None
 

@@ -2,7 +2,8 @@
 libtpu topology name (v5e:2x2) -> that slice's TPU devices, for `jax.jit(...).lower(...).compile()` ahead of time.
 
 Needs libtpu (`pip install "jax[tpu]"`), not a TPU: the compiled executable's `memory_analysis()` is the chip's
-HBM use and `cost_analysis()` its XLA FLOPs (Pallas/Mosaic custom calls count as ~0 there).
+HBM use. (Its `cost_analysis()` FLOPs count a `while` loop's body once, so they miss the layers of a scanned
+decoder and the blocks of a looped kernel: step times come from model FLOPs instead, see `jalign.parallel.fit`.)
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ class Target:
   @property
   def num_chips(self) -> int:
     return len(self.devices)
+
+  def seconds_at_peak(self, flops_per_chip: float) -> float:
+    """A lower bound on the time of that many FLOPs on one chip: its dense bf16 peak."""
+    return flops_per_chip / (self.chip.peak_bf16_tflops * 1e12)
 
 
 def slice_shape(chip: Chip, chips: int) -> tuple[int, ...]:
@@ -97,12 +102,3 @@ def target(name: str) -> Target:
     raise RuntimeError(f"cannot describe TPU topology {topology!r} ({name}): {e}. Compiling for a TPU on this host "
                        "needs libtpu: pip install 'jax[tpu]'") from e
   return Target(chip, topology, tuple(desc.devices))
-
-
-def step_time_lower_bound_s(compiled, chip: Chip) -> float | None:
-  """XLA's FLOP count of a compiled (per-device) program over the chip's dense bf16 peak: a lower bound on its
-  step time (no memory, communication or Mosaic kernels' FLOPs in it). None where XLA gives no count."""
-  costs = compiled.cost_analysis()
-  costs = costs[0] if isinstance(costs, (list, tuple)) else costs
-  flops = (costs or {}).get("flops")
-  return None if not flops else float(flops) / (chip.peak_bf16_tflops * 1e12)

@@ -1,5 +1,6 @@
 """kernels.attention: every impl against a NumPy softmax-attention reference (value) and against autodiff of the
-dense form (gradient), with GQA, left padding, packed segments, windows, soft-capping and ragged block edges."""
+dense form (gradient), with GQA, left padding, packed segments, windows, soft-capping and ragged block edges (splash
+in Pallas' interpret mode); compiled for a TPU, the memory of the long-context forms."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +60,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked"])
+@pytest.mark.parametrize("impl", ["xla", "chunked", "splash"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_value_matches_numpy_and_gradient_matches_dense(impl, case):
   kw = CASES[case]
@@ -68,7 +69,9 @@ def test_value_matches_numpy_and_gradient_matches_dense(impl, case):
                kv_positions=jnp.asarray(pos))
   valid = (seg != 0)[:, :, None, None]
   # Blocks of 8 x 16: T = 37 is not a multiple of either, and causality, windows and segments leave dead pairs.
-  run = lambda impl, q, k, v: attention(q, k, v, impl=impl, blocks=(8, 16), scale=0.3, **masks, **kw)  # noqa: E731
+  # splash runs interpreted, over slot indices (equal to the positions' order inside each packed sequence).
+  run = lambda impl, q, k, v: attention(q, k, v, impl=impl, blocks=(8, 16), scale=0.3, interpret=True,  # noqa: E731
+                                        **masks, **kw)
   got = np.asarray(run(impl, q, k, v))
   want = numpy_attention(q, k, v, seg, seg, pos, pos, causal=kw.get("causal", True),
                          window=kw.get("sliding_window"), softcap=kw.get("softcap"), scale=0.3)
@@ -147,7 +150,34 @@ def test_chunked_memory_is_linear_in_length():
 def test_bad_impl_and_shapes_are_named():
   q = jnp.zeros((1, 4, 4, 8))
   kv = jnp.zeros((1, 4, 3, 8))
-  with pytest.raises(ValueError, match="available: xla, chunked, auto"):
+  with pytest.raises(ValueError, match="available: xla, chunked, splash, auto"):
     attention(q, q, q, impl="flash")
   with pytest.raises(ValueError, match="K dividing N"):
     attention(q, kv, kv)
+
+
+def _tpu_compile(impl, t, heads=8, head_dim=128):
+  """value + gradient of attention over one bf16 sequence of `t` tokens, compiled for one TPU v5e chip."""
+  from jalign import parallel
+  from jalign.parallel import tpu_target
+  mesh = parallel.mesh_from_config((1, 1, 1), devices=tpu_target.target("v5e:2x2").devices)
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  q = jax.ShapeDtypeStruct((1, t, heads, head_dim), jnp.bfloat16, sharding=rep)
+  seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=rep)
+  loss = lambda q, k, v, s: jnp.sum(attention(q, k, v, q_segment_ids=s, kv_segment_ids=s, impl=impl)  # noqa: E731
+                                    .astype(jnp.float32))
+  with jax.set_mesh(mesh):
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q, seg).compile()
+
+
+def test_long_context_forms_compiled_for_a_tpu_stay_small():
+  """TPU v5e compile, fwd + bwd, 8 heads of 128: at T = 32768 `splash` and `chunked` need <= 1% of the
+  temporaries of the dense form at T = 8192 scaled by 16 (what it would need at 32768), and `auto` picks splash
+  (a Mosaic custom call in the compiled program)."""
+  dense_32k = 16 * _tpu_compile("xla", 8192).memory_analysis().temp_size_in_bytes
+  assert dense_32k > 16 * 2**30  # the [8, T, T] fp32 scores alone are 2 GiB at 8192
+  for impl in ("splash", "chunked"):
+    temp = _tpu_compile(impl, 32768).memory_analysis().temp_size_in_bytes
+    assert temp <= 0.01 * dense_32k, (impl, temp, dense_32k)
+  assert "tpu_custom_call" in _tpu_compile("auto", 1024).as_text()
+  assert "tpu_custom_call" not in _tpu_compile("chunked", 1024).as_text()
