@@ -26,17 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jalign.kernels.target import target_platform
+
 IMPLS = ("xla", "chunked", "splash", "auto")
 AUTO_CHUNKED_FROM = 512    # keys per row from which `auto` takes `chunked` (faster than `xla` from there on CPU)
 BLOCKS = (256, 256)        # (query, key) block of `chunked`: the fastest of 128-1024 on XLA:CPU at T = 512-8192
 _MASKED = -1e30            # finite, so the reference's fully masked (padding) rows stay NaN-free
-
-
-def target_platform() -> str:
-  """The platform being compiled for: that of the devices of the mesh set by `jax.set_mesh` (a TPU topology's when
-  compiling ahead of time for one), else the default backend."""
-  device = None if jax.sharding.get_abstract_mesh().empty else jax.sharding.get_abstract_mesh().abstract_device
-  return jax.default_backend() if device is None else device.platform
 
 
 def attention_mask(q_segment_BxT, kv_segment_BxS, q_positions_BxT, kv_positions_BxS, *, causal=True,

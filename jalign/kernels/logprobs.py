@@ -3,8 +3,10 @@
 `impl="xla"` is the plain reference: it materialises the [T, V] logits (fine for small vocabularies and tests).
 `impl="chunked"` walks the vocabulary in chunks with an online logsumexp and a custom backward, so neither pass holds
 more than [T, chunk] logits; it runs on every backend. `impl="pallas_gpu"` / `"pallas_tpu"` are fused kernels that
-keep logits tiles on chip (see `pallas.py`). `auto` picks `chunked` once the vocabulary exceeds one chunk: the Pallas
-kernels are opt-in until they have been timed against it on the chip (`benchmarks/device_check.sh`).
+keep logits tiles on chip (see `pallas.py`). `auto` picks, once the vocabulary exceeds one chunk, `pallas_tpu` when
+compiling for a TPU (the mesh's devices: compiled for TPU v5e its value+grad temporaries are 1.5% of `xla`'s at
+8192 x 2048 x 128256 bf16, `chunked`'s 4.8%; tests/kernels) and `chunked` elsewhere: the GPU kernel stays opt-in
+until it has been timed against `chunked` on a chip (`benchmarks/device_check.sh`).
 
 Under a mesh with a `tensor` axis that divides the vocabulary (the training layout shards the unembedding's
 vocabulary over it), each shard computes its slice's logsumexp, E_p[logit] and target logit and the shards combine
@@ -13,6 +15,7 @@ them (a max and sums), so no device ever holds the whole vocabulary's weights or
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jalign.kernels.chunked import token_logprobs_chunked
 from jalign.kernels.pallas import token_logprobs_pallas
+from jalign.kernels.target import target_platform
 
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "auto")
 VOCAB_AXIS = "tensor"
@@ -47,9 +51,9 @@ def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax
   `mask_T` is 0 the outputs and their gradients are 0 and the target may be anything (e.g. -100 padding)."""
   if impl not in IMPLS:
     raise ValueError(f"token_logprobs impl {impl!r}; available: {', '.join(IMPLS)}")
-  if impl in _PLATFORM and not interpret and jax.default_backend() != _PLATFORM[impl]:
-    raise ValueError(f"token_logprobs impl {impl!r} needs a {_PLATFORM[impl].upper()} backend (this one is "
-                     f"{jax.default_backend()}); use impl='chunked', or interpret=True for a slow correctness run")
+  if impl in _PLATFORM and not interpret and target_platform() != _PLATFORM[impl]:
+    raise ValueError(f"token_logprobs impl {impl!r} needs a {_PLATFORM[impl].upper()} target (this one is "
+                     f"{target_platform()}); use impl='chunked', or interpret=True for a slow correctness run")
   if blocks and len(blocks) != 3:
     raise ValueError(f"token_logprobs blocks={tuple(blocks)}: give (tokens, vocab, model-dim slice or 0)")
   lead = targets_T.shape
@@ -60,14 +64,19 @@ def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax
     keep = mask_T.reshape(-1) != 0
     targets = jnp.where(keep & (targets >= 0) & (targets < vocab), targets, 0)
   if impl == "auto":
-    impl = "chunked" if vocab > chunk else "xla"
+    impl = "xla" if vocab <= chunk else "pallas_tpu" if target_platform() == "tpu" else "chunked"
   local = _LOCAL[impl]
   opts = dict(temperature=temperature, softcap=softcap, chunk=chunk, blocks=tuple(blocks) or None,
               interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
-  shards = 0 if mesh.empty else dict(mesh.shape).get(VOCAB_AXIS, 1)
-  if shards > 1 and vocab % shards == 0:
-    out = _vocab_sharded(local, hidden, unembed_DxV, targets, shards, opts)
+  sizes = {} if mesh.empty else dict(mesh.shape)
+  shards = sizes.get(VOCAB_AXIS, 1) if vocab % sizes.get(VOCAB_AXIS, 1) == 0 else 1
+  if impl in _PLATFORM and sizes:  # Mosaic / Triton kernels are not auto-partitioned: every mesh axis manual
+    batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+    rows = batch if batch and hidden.shape[0] % math.prod(sizes[a] for a in batch) == 0 else None
+    out = _on_mesh(local, hidden, unembed_DxV, targets, shards, opts, rows, frozenset(mesh.axis_names))
+  elif shards > 1:
+    out = _on_mesh(local, hidden, unembed_DxV, targets, shards, opts, None, frozenset({VOCAB_AXIS}))
   else:
     out = local(hidden, unembed_DxV, targets, **opts)
   if mask_T is not None:
@@ -109,14 +118,18 @@ def _pallas(backend):
 _LOCAL = {"xla": _xla, "chunked": _chunked, "pallas_gpu": _pallas("gpu"), "pallas_tpu": _pallas("tpu")}
 
 
-def _vocab_sharded(local, hidden_NxD, unembed_DxV, targets_N, shards, opts):
-  """`local` on each `tensor` shard's vocabulary slice, combined exactly: lse = logsumexp over shards of the
-  shard lse; E_p[l] = sum_k exp(lse_k - lse) E_{p_k}[l]; the target logit comes from the one shard that holds it."""
+def _on_mesh(local, hidden_NxD, unembed_DxV, targets_N, shards, opts, row_axes, manual):
+  """`local` under shard_map over the `manual` mesh axes: rows split over `row_axes` (None: as the caller laid them
+  out), the vocabulary over `tensor` when `shards` > 1. Vocabulary shards combine exactly: lse = logsumexp over
+  shards of the shard lse; E_p[l] = sum_k exp(lse_k - lse) E_{p_k}[l]; the target logit comes from the one shard
+  that holds it."""
   v_local = unembed_DxV.shape[1] // shards
   if opts["interpret"]:  # the TPU-semantics interpreter's callbacks need every mesh axis manual; use the generic one
     opts = {**opts, "interpret": "generic"}
 
   def per_shard(h, w, y):
+    if shards == 1:
+      return local(h, w, y, **opts)
     offset = jax.lax.axis_index(VOCAB_AXIS) * v_local
     y_local = jnp.where((y >= offset) & (y < offset + v_local), y - offset, -1)  # -1: not on this shard
     logp_k, entropy_k, lse_k = local(h, w, y_local, **opts)
@@ -128,7 +141,7 @@ def _vocab_sharded(local, hidden_NxD, unembed_DxV, targets_N, shards, opts):
     mean = jax.lax.psum(jnp.exp(lse_k - lse) * mean_k, VOCAB_AXIS)
     return jax.lax.psum(target_k, VOCAB_AXIS) - lse, lse - mean, lse
 
-  # Rows stay as the caller laid them out (replicated over `tensor`); only the vocabulary is split.
-  row = P()
-  return jax.shard_map(per_shard, in_specs=(row, P(None, VOCAB_AXIS), row), out_specs=(row, row, row),
-                       axis_names={VOCAB_AXIS}, check_vma=False)(hidden_NxD, unembed_DxV, targets_N)
+  row = P(row_axes)
+  vocab = P(None, VOCAB_AXIS if shards > 1 else None)
+  return jax.shard_map(per_shard, in_specs=(row, vocab, row), out_specs=(row, row, row), axis_names=set(manual),
+                       check_vma=False)(hidden_NxD, unembed_DxV, targets_N)

@@ -1,16 +1,19 @@
 """Pallas kernels for token log-probs / entropy / logsumexp: logits exist only as [tokens x vocab] tiles on chip.
 
-Both backends share the tile maths (`_logits_tile`, `_dlogits_tile`) and one forward kernel: a fully parallel grid
-over (token blocks i, vocabulary blocks j) that writes each tile's softmax statistics (max, sum of exp, sum of
-exp x logit, target logit) to small [vocab blocks, tokens] arrays, combined in XLA with a logsumexp (the same split
-as Apple's Cut Cross-Entropy, Wijmans et al. 2024). The backward recomputes each logits tile from the saved
-logsumexp and differs per backend:
+Both backends share the tile maths (`_logits_tile`, `_dlogits_tile`) over a grid of (token blocks i, vocabulary
+blocks j); the backward recomputes each logits tile from the saved logsumexp. They differ in how tiles combine:
 
-- `gpu` (Triton lowering; the grid runs in parallel): one kernel per (i, j) tile that atomically adds its share of
-  d hidden [bt, D] and d unembed [D, bv] in fp32; the model dimension is walked in `bd` slices so the working set is
-  three small tiles.
-- `tpu` (Mosaic; the grid runs in order on a core): two kernels that accumulate in their resident output block over
-  the trailing "arbitrary" grid axis: d hidden over vocabulary blocks, d unembed over token blocks.
+- `gpu` (Triton lowering; the grid runs in parallel): the forward writes each tile's softmax statistics (max, sum of
+  exp, sum of exp x logit, target logit) to small [vocab blocks, tokens] arrays, combined in XLA with a logsumexp
+  (the split of Apple's Cut Cross-Entropy, Wijmans et al. 2024); the backward is one kernel per (i, j) tile that
+  atomically adds its share of d hidden [bt, D] and d unembed [D, bv] in fp32, walking the model dimension in `bd`
+  slices so the working set is three small tiles.
+- `tpu` (Mosaic; the grid runs in order on a core, the vocabulary or token axis last, "arbitrary"): the forward keeps
+  the statistics in its resident [bt, 1] output blocks and updates them online over the vocabulary blocks (per-tile
+  statistics would be [vocab blocks, tokens, 1] arrays, and TPU pads a trailing 1 to 128 lanes: twice the memory of
+  the logits); the backward's two kernels accumulate d hidden over vocabulary blocks and d unembed over token blocks
+  in fp32 VMEM scratch and write each block once, in the input dtype (an fp32 [D, V] gradient alone would be as
+  large as the logits).
 
 `interpret=True` runs either on CPU (slowly: each grid step is a few ms); the tests do that.
 """
@@ -59,6 +62,29 @@ def _dlogits_tile(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref, g
   return jnp.where(cols < kw["vocab"], dl, 0.0) * dz
 
 
+def _fwd_tpu_kernel(h_ref, w_ref, y_ref, m_ref, s_ref, sl_ref, t_ref, **kw):
+  """Online softmax statistics over the vocabulary blocks j (the trailing, sequential grid axis)."""
+  j = pl.program_id(1)
+  logits, _, cols = _logits_tile(h_ref, w_ref, j, **kw)
+
+  @pl.when(j == 0)
+  def _():
+    m_ref[...] = jnp.full_like(m_ref, _NEG)
+    s_ref[...] = jnp.zeros_like(s_ref)
+    sl_ref[...] = jnp.zeros_like(sl_ref)
+    t_ref[...] = jnp.zeros_like(t_ref)
+
+  m_old = m_ref[...]
+  m_new = jnp.maximum(m_old, jnp.max(logits, axis=1, keepdims=True))
+  e = jnp.exp(logits - m_new)
+  rescale = jnp.exp(m_old - m_new)
+  s_ref[...] = s_ref[...] * rescale + jnp.sum(e, axis=1, keepdims=True)
+  sl_ref[...] = sl_ref[...] * rescale + jnp.sum(e * jnp.where(cols < kw["vocab"], logits, 0.0), axis=1,
+                                                keepdims=True)
+  t_ref[...] += jnp.sum(jnp.where(cols == y_ref[...], logits, 0.0), axis=1, keepdims=True)
+  m_ref[...] = m_new
+
+
 def _fwd_kernel(h_ref, w_ref, y_ref, m_ref, s_ref, sl_ref, t_ref, **kw):
   logits, _, cols = _logits_tile(h_ref, w_ref, pl.program_id(1), **kw)
   m = jnp.max(logits, axis=1, keepdims=True)
@@ -89,24 +115,31 @@ def _bwd_gpu_kernel(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref,
   jax.lax.fori_loop(0, h_ref.shape[1] // bd, body, 0)
 
 
-def _bwd_tpu_dh_kernel(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref, glse_ref, dh_ref, **kw):
+def _accumulate(out_ref, acc_ref, step, steps, value):
+  """acc += value over the sequential grid axis (fp32 scratch), written to the output block once, at the end."""
+  @pl.when(step == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  acc_ref[...] += value
+
+  @pl.when(step == steps - 1)
+  def _():
+    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def _bwd_tpu_dh_kernel(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref, glse_ref, dh_ref, acc_ref,
+                       **kw):
   j = pl.program_id(1)
-
-  @pl.when(j == 0)
-  def _():
-    dh_ref[...] = jnp.zeros_like(dh_ref)
-
   dl = _dlogits_tile(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref, glse_ref, j, **kw)
-  dh_ref[...] += _contract(dl.astype(w_ref.dtype), w_ref[...], ((1,), (1,)))
+  _accumulate(dh_ref, acc_ref, j, pl.num_programs(1), _contract(dl.astype(w_ref.dtype), w_ref[...], ((1,), (1,))))
 
 
-def _bwd_tpu_dw_kernel(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref, glse_ref, dw_ref, **kw):
-  @pl.when(pl.program_id(1) == 0)
-  def _():
-    dw_ref[...] = jnp.zeros_like(dw_ref)
-
+def _bwd_tpu_dw_kernel(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref, glse_ref, dw_ref, acc_ref,
+                       **kw):
   dl = _dlogits_tile(h_ref, w_ref, y_ref, lse_ref, mean_ref, glogp_ref, gent_ref, glse_ref, pl.program_id(0), **kw)
-  dw_ref[...] += _contract(h_ref[...], dl.astype(h_ref.dtype), ((0,), (0,)))
+  _accumulate(dw_ref, acc_ref, pl.program_id(1), pl.num_programs(1),
+              _contract(h_ref[...], dl.astype(h_ref.dtype), ((0,), (0,))))
 
 
 def _round_up(x, m):
@@ -143,11 +176,22 @@ def _forward(h, w, y, static):
   n_p, dp = h.shape
   nt, nv = n_p // bt, w.shape[1] // bv
   h_spec, w_spec, row_spec = _specs(bt, bv, dp, swap=False)
+  kw = dict(bd=bd or dp, vocab=vocab, temperature=temperature, softcap=softcap)
+  if backend == "tpu":  # statistics combined online in the kernel, over the sequential vocabulary axis
+    stat = jax.ShapeDtypeStruct((n_p, 1), jnp.float32)
+    m, s, sl, target = pl.pallas_call(
+        functools.partial(_fwd_tpu_kernel, **kw), grid=(nt, nv), in_specs=[h_spec, w_spec, row_spec],
+        out_specs=[row_spec] * 4, out_shape=[stat] * 4,
+        compiler_params=_compiler_params(backend, ("parallel", "arbitrary")), interpret=interpret,
+        name="token_logprobs_fwd_tpu")(h, w, y)
+    lse = m + jnp.log(s)
+    mean_logit = sl / s
+    return target - lse, lse - mean_logit, lse, mean_logit  # each [N_p, 1]
   stat = jax.ShapeDtypeStruct((nv, n_p, 1), jnp.float32)
   stat_spec = pl.BlockSpec((None, bt, 1), lambda i, j: (j, i, 0))
-  kernel = functools.partial(_fwd_kernel, bd=bd or dp, vocab=vocab, temperature=temperature, softcap=softcap)
   m, s, sl, tgt = pl.pallas_call(
-      kernel, grid=(nt, nv), in_specs=[h_spec, w_spec, row_spec], out_specs=[stat_spec] * 4, out_shape=[stat] * 4,
+      functools.partial(_fwd_kernel, **kw), grid=(nt, nv), in_specs=[h_spec, w_spec, row_spec],
+      out_specs=[stat_spec] * 4, out_shape=[stat] * 4,
       compiler_params=_compiler_params(backend, ("parallel", "parallel")), interpret=interpret,
       name=f"token_logprobs_fwd_{backend}")(h, w, y)
   # Combine the per-tile statistics: logsumexp over vocabulary blocks, E_p[logits] rescaled the same way.
@@ -183,17 +227,20 @@ def _bwd(static, res, grads):
         out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros], input_output_aliases={8: 0, 9: 1},
         compiler_params=_compiler_params(backend, None), interpret=interpret,
         name="token_logprobs_bwd_gpu")(h, w, *rows, *zeros)
-  else:
+  else:  # fp32 accumulators in VMEM scratch; the outputs in the inputs' dtype
+    from jax.experimental.pallas import tpu as pltpu
     h_spec, w_spec, row_spec = _specs(bt, bv, dp, swap=False)
     dh = pl.pallas_call(
         functools.partial(_bwd_tpu_dh_kernel, **kw), grid=(nt, nv), in_specs=[h_spec, w_spec] + [row_spec] * 6,
-        out_specs=pl.BlockSpec((bt, dp), lambda i, j: (i, 0)), out_shape=jax.ShapeDtypeStruct((n_p, dp), jnp.float32),
+        out_specs=pl.BlockSpec((bt, dp), lambda i, j: (i, 0)), out_shape=jax.ShapeDtypeStruct((n_p, dp), h.dtype),
+        scratch_shapes=[pltpu.VMEM((bt, dp), jnp.float32)],
         compiler_params=_compiler_params(backend, ("parallel", "arbitrary")), interpret=interpret,
         name="token_logprobs_bwd_dh_tpu")(h, w, *rows)
     h_spec, w_spec, row_spec = _specs(bt, bv, dp, swap=True)
     dw = pl.pallas_call(
         functools.partial(_bwd_tpu_dw_kernel, **kw), grid=(nv, nt), in_specs=[h_spec, w_spec] + [row_spec] * 6,
-        out_specs=pl.BlockSpec((dp, bv), lambda j, i: (0, j)), out_shape=jax.ShapeDtypeStruct((dp, vp), jnp.float32),
+        out_specs=pl.BlockSpec((dp, bv), lambda j, i: (0, j)), out_shape=jax.ShapeDtypeStruct((dp, vp), w.dtype),
+        scratch_shapes=[pltpu.VMEM((dp, bv), jnp.float32)],
         compiler_params=_compiler_params(backend, ("parallel", "arbitrary")), interpret=interpret,
         name="token_logprobs_bwd_dw_tpu")(h, w, *rows)
   return dh.astype(h.dtype), dw.astype(w.dtype), None

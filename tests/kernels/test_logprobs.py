@@ -131,7 +131,7 @@ def test_unknown_impl():
   h, w, y = _data()
   with pytest.raises(ValueError, match="available: xla, chunked, pallas_gpu, pallas_tpu, auto"):
     token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas")
-  with pytest.raises(ValueError, match="needs a GPU backend .*interpret=True"):
+  with pytest.raises(ValueError, match="needs a GPU target .*interpret=True"):
     token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas_gpu")
   with pytest.raises(ValueError, match="blocks=.*tokens, vocab, model-dim"):
     token_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), impl="pallas_tpu", blocks=(8, 8), interpret=True)
