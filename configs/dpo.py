@@ -55,7 +55,7 @@ def get_config(arg=None):
                                               preempt_grace_s=30.0))
   c.log = ml_collections.ConfigDict(dict(progress=True, jsonl=True, tensorboard=True, wandb=False,
                                          wandb_project="jalign", peak_flops=0.0))
-  c.logprobs = ml_collections.ConfigDict(dict(impl="auto", chunk=4096))
+  c.logprobs = ml_collections.ConfigDict(dict(impl="auto"))
   # Multi-process: "" = one process, or the cluster's environment (Cloud TPU pod, SLURM, Open MPI); see
   # jalign/parallel/distributed.py. cpu_devices: CPU devices per process (tests, laptops).
   c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1,

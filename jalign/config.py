@@ -117,8 +117,9 @@ class LogSection:
 
 @dataclasses.dataclass(frozen=True)
 class LogprobSection:
-  impl: Literal["xla", "chunked", "pallas_gpu", "pallas_tpu", "auto"] = "auto"  # auto: chunked past one chunk
-  chunk: int = 4096                    # vocabulary columns per chunk (chunked)
+  impl: Literal["xla", "chunked", "pallas_gpu", "pallas_tpu", "auto"] = "auto"  # auto: xla up to 4096 columns,
+                                       # then pallas_tpu for TPU targets, chunked elsewhere
+  chunk: int = 0                       # vocabulary columns per chunk (chunked); 0 = from a 64 MiB budget
   blocks: tuple[int, ...] = ()         # Pallas tile (tokens, vocab, model-dim slice or 0); () = per-chip defaults
   interpret: bool = False              # Pallas in interpret mode (any backend; slow; for checking)
 

@@ -14,15 +14,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jalign.kernels.chunked import _NEG, _chunk, _chunk_logits, n_chunks, scan_chunks, write_columns
+from jalign.kernels.chunked import (_NEG, _chunk, _chunk_logits, chunk_columns, n_chunks, scan_chunks,
+                                    write_columns)
 
 IMPLS = ("xla", "chunked")
 
 
 def full_kl(hidden_p_TxD: jax.Array, unembed_p_DxV: jax.Array, hidden_q_TxE: jax.Array, unembed_q_ExV: jax.Array, *,
             temperature: float = 1.0, softcap: float | None = None, mask_T: jax.Array | None = None,
-            impl: str = "chunked", chunk: int = 4096) -> jax.Array:
-  """kl_T = KL(softmax(z_p / temp) || softmax(z_q / temp)) per position (0 where `mask_T` is 0); fp32."""
+            impl: str = "chunked", chunk: int = 0) -> jax.Array:
+  """kl_T = KL(softmax(z_p / temp) || softmax(z_q / temp)) per position (0 where `mask_T` is 0); fp32. `chunk`: 0 =
+  `chunk_columns`."""
   if impl not in IMPLS:
     raise ValueError(f"full_kl impl {impl!r}; available: {', '.join(IMPLS)}")
   if unembed_p_DxV.shape[1] != unembed_q_ExV.shape[1]:
@@ -36,7 +38,7 @@ def full_kl(hidden_p_TxD: jax.Array, unembed_p_DxV: jax.Array, hidden_q_TxE: jax
     kl = _xla(hp, unembed_p_DxV, hq, wq, temperature, softcap)
   else:
     kl = _kl_chunked(hp, unembed_p_DxV, hq, wq, float(temperature), None if softcap is None else float(softcap),
-                     int(min(chunk, unembed_p_DxV.shape[1])))
+                     int(min(chunk or chunk_columns(hp.shape[0], unembed_p_DxV.shape[1]), unembed_p_DxV.shape[1])))
   if mask_T is not None:
     kl = jnp.where(mask_T.reshape(-1) != 0, kl, 0.0)
   return kl.reshape(lead)

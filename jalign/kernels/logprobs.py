@@ -3,7 +3,7 @@
 `impl="xla"` is the plain reference: it materialises the [T, V] logits (fine for small vocabularies and tests).
 `impl="chunked"` walks the vocabulary in chunks with an online logsumexp and a custom backward, so neither pass holds
 more than [T, chunk] logits; it runs on every backend. `impl="pallas_gpu"` / `"pallas_tpu"` are fused kernels that
-keep logits tiles on chip (see `pallas.py`). `auto` picks, once the vocabulary exceeds one chunk, `pallas_tpu` when
+keep logits tiles on chip (see `pallas.py`). `auto` picks, past `AUTO_XLA_VOCAB`, `pallas_tpu` when
 compiling for a TPU (the mesh's devices: compiled for TPU v5e its value+grad temporaries are 1.5% of `xla`'s at
 8192 x 2048 x 128256 bf16, `chunked`'s 4.8%; tests/kernels) and `chunked` elsewhere: the GPU kernel stays opt-in
 until it has been timed against `chunked` on a chip (`benchmarks/device_check.sh`).
@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jalign.kernels.chunked import token_logprobs_chunked
+from jalign.kernels.chunked import chunk_columns, token_logprobs_chunked
 from jalign.kernels.pallas import token_logprobs_pallas
 from jalign.kernels.target import target_platform
 
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "auto")
+AUTO_XLA_VOCAB = 4096            # `auto` keeps the plain logits up to this vocabulary
 VOCAB_AXIS = "tensor"
 _PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
@@ -34,7 +35,7 @@ _PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 class LogprobOptions:
   """How objectives compute log-probs (the `logprobs` config section): keyword arguments of `token_logprobs`."""
   impl: str = "auto"
-  chunk: int = 4096                        # vocabulary columns per chunk (`chunked`)
+  chunk: int = 0                           # vocabulary columns per chunk (`chunked`); 0 = `chunk_columns`
   blocks: tuple[int, ...] = ()             # Pallas tile (tokens, vocab, model-dim slice or 0); () = the defaults
   interpret: bool = False                  # run a Pallas kernel in interpret mode (any backend; slow)
 
@@ -44,7 +45,7 @@ class LogprobOptions:
 
 def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax.Array, *,
                    temperature: float = 1.0, softcap: float | None = None, mask_T: jax.Array | None = None,
-                   impl: str = "xla", chunk: int = 4096, blocks: tuple[int, ...] = (), interpret: bool = False):
+                   impl: str = "xla", chunk: int = 0, blocks: tuple[int, ...] = (), interpret: bool = False):
   """(logprobs_T, entropy_T, logsumexp_T) of `targets_T` under softmax(cap(hidden @ unembed) / temperature).
 
   Leading dims of `hidden`/`targets` beyond T are allowed ([B, T, D] -> [B, T]). Accumulates in fp32. Where
@@ -64,7 +65,8 @@ def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax
     keep = mask_T.reshape(-1) != 0
     targets = jnp.where(keep & (targets >= 0) & (targets < vocab), targets, 0)
   if impl == "auto":
-    impl = "xla" if vocab <= chunk else "pallas_tpu" if target_platform() == "tpu" else "chunked"
+    impl = "xla" if vocab <= AUTO_XLA_VOCAB else "pallas_tpu" if target_platform() == "tpu" else "chunked"
+  chunk = chunk or chunk_columns(hidden.shape[0], vocab)
   local = _LOCAL[impl]
   opts = dict(temperature=temperature, softcap=softcap, chunk=chunk, blocks=tuple(blocks) or None,
               interpret=interpret)

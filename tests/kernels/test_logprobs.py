@@ -177,3 +177,21 @@ def test_dpo_and_grpo_steps_agree_across_impls():
       np.testing.assert_allclose(out[impl][0], out["xla"][0], rtol=1e-5)
       for g1, g2 in zip(jax.tree.leaves(out[impl][1]), jax.tree.leaves(out["xla"][1])):
         np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2048, 256, 50257), (512, 576, 49152), (8192, 2048, 128256)])
+def test_chunked_default_chunk_stays_small_at_any_vocabulary(shape):
+  """The chunk comes from a memory budget and the vocabulary (at most 1/64 of it): value+grad temporaries stay
+  under 5% of `xla`'s (a fixed 4096-column chunk took 10.9% at the first shape, 16.7% at the second)."""
+  t, d, v = shape
+  sd = jax.ShapeDtypeStruct
+
+  def temp(impl):
+    def loss(h, w, y):
+      logp, entropy, _ = token_logprobs(h, w, y, impl=impl)
+      return jnp.sum(logp) + 0.1 * jnp.sum(entropy)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
+        sd((t, d), jnp.float32), sd((d, v), jnp.float32), sd((t,), jnp.int32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert temp("chunked") < 0.05 * temp("xla")
