@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jalign.kernels.chunked import chunk_columns, token_logprobs_chunked
-from jalign.kernels.pallas import token_logprobs_pallas
+from jalign.kernels.pallas import TPU_SCOPED_VMEM, token_logprobs_pallas, tpu_vmem_bytes
 from jalign.kernels.target import target_platform
 
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "auto")
@@ -65,7 +65,11 @@ def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax
     keep = mask_T.reshape(-1) != 0
     targets = jnp.where(keep & (targets >= 0) & (targets < vocab), targets, 0)
   if impl == "auto":
-    impl = "xla" if vocab <= AUTO_XLA_VOCAB else "pallas_tpu" if target_platform() == "tpu" else "chunked"
+    # The TPU kernel where its narrowest blocks fit the default scoped VMEM of every TPU generation (model dims up
+    # to ~6k in bf16; wider ones compile with a raised limit on v5e / v5p / v6e, not on v4's 16 MiB).
+    fits_vmem = tpu_vmem_bytes(128, 128, hidden.shape[1], hidden.dtype.itemsize) <= TPU_SCOPED_VMEM
+    impl = ("xla" if vocab <= AUTO_XLA_VOCAB else
+            "pallas_tpu" if target_platform() == "tpu" and fits_vmem else "chunked")
   chunk = chunk or chunk_columns(hidden.shape[0], vocab)
   local = _LOCAL[impl]
   opts = dict(temperature=temperature, softcap=softcap, chunk=chunk, blocks=tuple(blocks) or None,

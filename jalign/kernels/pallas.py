@@ -31,6 +31,7 @@ BACKENDS = ("gpu", "tpu")
 # tiles are multiples of the (8, 128) vreg layout and keep the working set (double-buffered W block and the fp32
 # d unembed block) inside the default scoped VMEM.
 DEFAULT_BLOCKS = {"gpu": (64, 128, 64), "tpu": (128, 256, 0)}
+TPU_SCOPED_VMEM = 16 << 20   # Mosaic's default scoped VMEM limit; the default TPU blocks narrow to stay under it
 
 
 def _logits_tile(h_ref, w_ref, j, *, bd, vocab, temperature, softcap):
@@ -158,10 +159,18 @@ def _specs(bt, bv, dp, swap: bool):
   return pl.BlockSpec((bt, dp), tok), pl.BlockSpec((dp, bv), voc), pl.BlockSpec((bt, 1), tok)
 
 
-def _compiler_params(backend, semantics):
+def tpu_vmem_bytes(bt: int, bv: int, dp: int, itemsize: int) -> int:
+  """VMEM the TPU kernels' largest working set needs (the d unembed kernel): double-buffered h [bt, D] and W [D, bv]
+  blocks and d unembed output block, its fp32 accumulator and the fp32 product added to it, and a few fp32 tiles."""
+  return 2 * bt * dp * itemsize + dp * bv * (4 * itemsize + 8) + 8 * bt * bv * 4
+
+
+def _compiler_params(backend, semantics, vmem_bytes: int = 0):
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(dimension_semantics=semantics)
+    # Past the default scoped VMEM limit (16 MiB), ask for what the working set needs, with headroom.
+    limit = int(vmem_bytes * 1.25) if vmem_bytes > TPU_SCOPED_VMEM else None
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
   from jax.experimental.pallas import triton as plgpu
   return plgpu.CompilerParams(num_warps=4, num_stages=2)
 
@@ -182,8 +191,9 @@ def _forward(h, w, y, static):
     m, s, sl, target = pl.pallas_call(
         functools.partial(_fwd_tpu_kernel, **kw), grid=(nt, nv), in_specs=[h_spec, w_spec, row_spec],
         out_specs=[row_spec] * 4, out_shape=[stat] * 4,
-        compiler_params=_compiler_params(backend, ("parallel", "arbitrary")), interpret=interpret,
-        name="token_logprobs_fwd_tpu")(h, w, y)
+        compiler_params=_compiler_params(backend, ("parallel", "arbitrary"),
+                                         tpu_vmem_bytes(bt, bv, dp, h.dtype.itemsize)),
+        interpret=interpret, name="token_logprobs_fwd_tpu")(h, w, y)
     lse = m + jnp.log(s)
     mean_logit = sl / s
     return target - lse, lse - mean_logit, lse, mean_logit  # each [N_p, 1]
@@ -229,19 +239,20 @@ def _bwd(static, res, grads):
         name="token_logprobs_bwd_gpu")(h, w, *rows, *zeros)
   else:  # fp32 accumulators in VMEM scratch; the outputs in the inputs' dtype
     from jax.experimental.pallas import tpu as pltpu
+    vmem = tpu_vmem_bytes(bt, bv, dp, h.dtype.itemsize)
     h_spec, w_spec, row_spec = _specs(bt, bv, dp, swap=False)
     dh = pl.pallas_call(
         functools.partial(_bwd_tpu_dh_kernel, **kw), grid=(nt, nv), in_specs=[h_spec, w_spec] + [row_spec] * 6,
         out_specs=pl.BlockSpec((bt, dp), lambda i, j: (i, 0)), out_shape=jax.ShapeDtypeStruct((n_p, dp), h.dtype),
         scratch_shapes=[pltpu.VMEM((bt, dp), jnp.float32)],
-        compiler_params=_compiler_params(backend, ("parallel", "arbitrary")), interpret=interpret,
+        compiler_params=_compiler_params(backend, ("parallel", "arbitrary"), vmem), interpret=interpret,
         name="token_logprobs_bwd_dh_tpu")(h, w, *rows)
     h_spec, w_spec, row_spec = _specs(bt, bv, dp, swap=True)
     dw = pl.pallas_call(
         functools.partial(_bwd_tpu_dw_kernel, **kw), grid=(nv, nt), in_specs=[h_spec, w_spec] + [row_spec] * 6,
         out_specs=pl.BlockSpec((dp, bv), lambda j, i: (0, j)), out_shape=jax.ShapeDtypeStruct((dp, vp), w.dtype),
         scratch_shapes=[pltpu.VMEM((dp, bv), jnp.float32)],
-        compiler_params=_compiler_params(backend, ("parallel", "arbitrary")), interpret=interpret,
+        compiler_params=_compiler_params(backend, ("parallel", "arbitrary"), vmem), interpret=interpret,
         name="token_logprobs_bwd_dw_tpu")(h, w, *rows)
   return dh.astype(h.dtype), dw.astype(w.dtype), None
 
@@ -258,6 +269,9 @@ def token_logprobs_pallas(hidden_NxD, unembed_DxV, targets_N, *, backend: str, t
     raise ValueError(f"Pallas backend {backend!r}; available: {', '.join(BACKENDS)}")
   bt, bv, bd = blocks or DEFAULT_BLOCKS[backend]
   n, d = hidden_NxD.shape
+  if backend == "tpu" and not blocks:  # wide model dims (Llama-3-8B's 4096): narrower vocabulary blocks
+    while bv > 128 and tpu_vmem_bytes(bt, bv, d, hidden_NxD.dtype.itemsize) > TPU_SCOPED_VMEM:
+      bv //= 2
   vocab = unembed_DxV.shape[1]
   bt = min(bt, _round_up(n, 8))
   bv = min(bv, _round_up(vocab, 8))
