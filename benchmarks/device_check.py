@@ -8,6 +8,11 @@ Sections (each timed on its own; a failing section is recorded with its error an
   chip's Pallas kernel: time, TFLOP/s (6 T D V useful FLOPs) and GB/s (inputs + gradients) against the chip's
   peaks, and each implementation's largest difference from `xla` on a small fp32 case (the first run of a kernel on
   new hardware is a correctness check too).
+- `attention`: value + gradient of `kernels.attention` over one causal sequence of T=8192 tokens, 32 query heads over
+  8 key/value heads of 128 (Llama-3-8B's attention) in bf16, for `xla`, `chunked` and the chip's own (`cudnn` on a
+  GPU, `splash` on a TPU): time, TFLOP/s (6 T^2 N H useful FLOPs: a causal forward's 2 T^2 N H, the backward
+  twice that), compiled temporaries, and each one's largest gradient difference from `xla` on a small packed bf16 case (relative
+  to the largest gradient).
 - `sft_step`, `grpo_step`: one train step of a Llama-3.2-1B-shaped model (bf16 compute, fp32 weights and AdamW),
   tokens/s and MFU (PaLM's 6N + 12 L H Dh T FLOPs per token).
 - `decode`: `sampling.generate` tokens/s at batch 64 against the HBM-bandwidth bound (every decode step reads the
@@ -36,11 +41,13 @@ from jalign.objectives import grpo, sft  # noqa: E402
 from jalign.train.metrics import flops_per_token, peak_flops, peak_hbm_bandwidth  # noqa: E402
 from jalign.train.step import TrainState, make_step  # noqa: E402
 
-FULL = dict(logprob_shape=(8192, 2048, 128256), check_shape=(512, 256, 32003), seq=2048, sft_rows=8, grpo_rows=32,
+FULL = dict(logprob_shape=(8192, 2048, 128256), check_shape=(512, 256, 32003), attention_shape=(8192, 32, 8, 128),
+            attention_check=(300, 8, 2, 64), seq=2048, sft_rows=8, grpo_rows=32,
             grpo_prompt=256, decode_batch=64, decode_prompt=128, decode_new=256, repeats=5,
             model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                        num_kv_heads=8, head_dim=64, tie_embeddings=True, max_position_embeddings=4096))
-SMOKE = dict(logprob_shape=(64, 32, 1000), check_shape=(24, 16, 203), seq=64, sft_rows=2, grpo_rows=4,
+SMOKE = dict(logprob_shape=(64, 32, 1000), check_shape=(24, 16, 203), attention_shape=(128, 4, 2, 16),
+             attention_check=(40, 4, 2, 16), seq=64, sft_rows=2, grpo_rows=4,
              grpo_prompt=16, decode_batch=4, decode_prompt=8, decode_new=8, repeats=2,
              model=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, tie_embeddings=True, max_position_embeddings=256))
@@ -106,6 +113,60 @@ def logprobs_section(shapes: dict, peaks: dict) -> dict:
       if peaks["hbm"]:
         entry["fraction_of_peak_hbm"] = nbytes / secs / peaks["hbm"]
       entry["temp_bytes"] = fn.lower(h, w, y).compile().memory_analysis().temp_size_in_bytes
+    except Exception as e:  # noqa: BLE001
+      entry["error"] = _error(e)
+  return out
+
+
+def attention_section(shapes: dict, peaks: dict) -> dict:
+  backend = jax.default_backend()
+  own = {"gpu": ("cudnn", {}), "tpu": ("splash", {})}.get(backend, ("splash", dict(interpret=True)))
+  impls = {"xla": {}, "chunked": {}, own[0]: own[1]}
+  out = {}
+
+  def value_and_grad(impl, kw):
+    def loss(q, k, v, seg):
+      o = kernels.attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, impl=impl, **kw)
+      return jnp.sum(o.astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+  def inputs(t, n, k, h, seg_fn):
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(1, t, n, h), jnp.bfloat16)
+    kv = [jnp.asarray(rng.randn(1, t, k, h), jnp.bfloat16) for _ in range(2)]
+    return q, *kv, jnp.asarray(seg_fn(t))[None]
+
+  # Correctness on this chip: bf16, left padding then two packed sequences, against xla (valid rows only).
+  def packed(t):
+    return np.concatenate([np.zeros(t // 10), np.ones(t // 2 - t // 10), np.full(t - t // 2, 2)]).astype(np.int32)
+
+  args = inputs(*shapes["attention_check"], packed)
+  valid = (args[3] != 0)[..., None, None]
+  ref = value_and_grad("xla", {})(*args)
+  for impl, kw in impls.items():
+    entry = out.setdefault(impl, {})
+    try:
+      got = value_and_grad(impl, kw)(*args)
+      diff = lambda a, b: jnp.max(jnp.abs(jnp.where(valid, (a - b).astype(jnp.float32), 0)))  # noqa: E731
+      entry["max_rel_diff_vs_xla"] = {f"d_{name}": float(diff(a, b) / jnp.max(jnp.abs(b.astype(jnp.float32))))
+                                      for name, a, b in zip("qkv", got[1], ref[1])}
+    except Exception as e:  # noqa: BLE001 - recorded, the other implementations still run
+      entry["error"] = _error(e)
+
+  t, n, k, h = shapes["attention_shape"]
+  args = inputs(t, n, k, h, lambda t: np.ones(t, np.int32))
+  flops = 6.0 * t * t * n * h
+  for impl, kw in impls.items():
+    entry = out[impl]
+    if "error" in entry:
+      continue
+    try:
+      fn = value_and_grad(impl, kw)
+      secs = best_time(lambda: fn(*args), shapes["repeats"])
+      entry.update(shape=[t, n, k, h], dtype="bfloat16", seconds=secs, tflops=flops / secs / 1e12,
+                   temp_bytes=fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+      if peaks["flops"]:
+        entry["fraction_of_peak_flops"] = flops / secs / peaks["flops"]
     except Exception as e:  # noqa: BLE001
       entry["error"] = _error(e)
   return out
@@ -201,7 +262,8 @@ def main():
   report = {"backend": jax.default_backend(), "device_kind": device.device_kind, "devices": jax.device_count(),
             "jax": jax.__version__, "smoke": args.smoke, "peak_flops": peaks["flops"], "peak_hbm_bytes_per_s":
             peaks["hbm"], "sections": {}}
-  sections = {"logprobs": logprobs_section, "sft_step": sft_section, "grpo_step": grpo_section,
+  sections = {"logprobs": logprobs_section, "attention": attention_section, "sft_step": sft_section,
+              "grpo_step": grpo_section,
               "decode": decode_section}
   failed = False
   for name, fn in sections.items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Accelerator check in one short run (a few minutes on one GPU or TPU chip, no network): log-prob kernels (xla,
-# chunked, the chip's Pallas kernel), one SFT and one GRPO step of a ~1B-parameter model (MFU), and the sampler's
+# chunked, the chip's Pallas kernel), attention (xla, chunked, cudnn / splash), one SFT and one GRPO step of a ~1B-parameter model (MFU), and the sampler's
 # decode rate against the HBM-bandwidth bound. Figures go to a JSON file (see benchmarks/device_check.py).
 #
 #   bash benchmarks/device_check.sh [--smoke] [--out FILE] [--only SECTION...]

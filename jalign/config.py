@@ -31,7 +31,7 @@ class ModelSection:
   compute_dtype: Literal["", "float32", "bfloat16"] = ""       # activations; "" = dtype
   scan_layers: bool = True
   remat: Literal["none", "full", "dots"] = "none"
-  attention: Literal["auto", "xla", "chunked", "splash"] = "auto"  # `kernels.attention` impl (training, scoring)
+  attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
   lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning
   offload_reference: bool = False      # DPO / GRPO / PPO: keep the frozen reference in host memory, copied to the
                                        # device only for its forward passes

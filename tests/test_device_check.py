@@ -17,12 +17,16 @@ def test_device_check_smoke(tmp_path):
   report = json.loads(out.read_text())
   assert report["smoke"] is True and report["backend"] == "cpu"
   sections = report["sections"]
-  assert set(sections) == {"logprobs", "sft_step", "grpo_step", "decode"}
+  assert set(sections) == {"logprobs", "attention", "sft_step", "grpo_step", "decode"}
   assert "error" not in json.dumps(sections)
   for impl in ("xla", "chunked", "pallas_gpu"):
     entry = sections["logprobs"][impl]
     assert entry["seconds"] > 0 and entry["tflops"] > 0 and entry["temp_bytes"] > 0
     assert max(entry["max_abs_diff_vs_xla"].values()) < 1e-4
+  for impl in ("xla", "chunked", "splash"):  # splash interpreted off a TPU
+    entry = sections["attention"][impl]
+    assert entry["seconds"] > 0 and entry["tflops"] > 0 and entry["temp_bytes"] >= 0
+    assert max(entry["max_rel_diff_vs_xla"].values()) < 0.05  # bf16
   for name in ("sft_step", "grpo_step"):
     assert sections[name]["tokens_per_s"] > 0 and sections[name]["params"] > 0
   assert sections["decode"]["tokens_per_s"] > 0 and sections["decode"]["bytes_per_decode_step"] > 0

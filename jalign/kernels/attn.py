@@ -14,8 +14,10 @@ impl:
   window, segments, judged from per-block ranges of positions and segment ids) are skipped in both passes.
 - `splash`: Pallas splash attention on TPU (see `splash.py`), shard_mapped over the batch and head mesh axes.
   Causality and windows over slot indices (self-attention, T == S, positions ignored), a Python int window.
+- `cudnn`: cuDNN's flash attention through `jax.nn.dot_product_attention` on GPU, in bf16 / fp16; causality and
+  windows over slot indices (T == S), segments as a boolean mask (cuDNN adds it as a bias), no soft-cap.
 - `auto`: the best for the target (the platform of the mesh set by `jax.set_mesh`, else the default backend): on
-  TPU `splash` where it applies (T == S, a static window), on CPU and GPU `xla` while the score tensor is small (the
+  TPU `splash` and on GPU `cudnn` where they apply, else (and on CPU) `xla` while the score tensor is small (the
   short sequences of the tests and the demo task, where it is fastest), `chunked` from `AUTO_CHUNKED_FROM` keys on.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 
 from jalign.kernels.target import target_platform
 
-IMPLS = ("xla", "chunked", "splash", "auto")
+IMPLS = ("xla", "chunked", "splash", "cudnn", "auto")
 AUTO_CHUNKED_FROM = 512    # keys per row from which `auto` takes `chunked` (faster than `xla` from there on CPU)
 BLOCKS = (256, 256)        # (query, key) block of `chunked`: the fastest of 128-1024 on XLA:CPU at T = 512-8192
 _MASKED = -1e30            # finite, so the reference's fully masked (padding) rows stay NaN-free
@@ -92,12 +94,21 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
   q_pos = steps(T) if q_positions is None else q_positions.astype(jnp.int32)
   kv_pos = steps(S) if kv_positions is None else kv_positions.astype(jnp.int32)
   scale = H ** -0.5 if scale is None else float(scale)
+  static_window = sliding_window is None or isinstance(sliding_window, (int, np.integer))
   if impl == "auto":
-    static_window = sliding_window is None or isinstance(sliding_window, (int, np.integer))
-    if target_platform() == "tpu" and T == S and static_window:
+    platform = target_platform()
+    if platform == "tpu" and T == S and static_window:
       impl = "splash"
+    elif (platform == "gpu" and T == S and static_window and softcap is None
+          and q_BxTxNxH.dtype in (jnp.bfloat16, jnp.float16)):
+      impl = "cudnn"
     else:
       impl = "chunked" if S >= AUTO_CHUNKED_FROM else "xla"
+  if impl == "cudnn":
+    if target_platform() != "gpu":
+      raise ValueError(f"attention impl 'cudnn' needs a GPU target (this one is {target_platform()}); use 'chunked'")
+    return cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg, kv_seg, causal=causal, window=sliding_window,
+                           softcap=softcap, scale=scale)
   if impl == "splash":
     from jalign.kernels.splash import splash_attention
     return splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg, kv_seg, causal=causal, window=sliding_window,
@@ -112,6 +123,24 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
   out = _flash(pad(q_BxTxNxH, pad_t), pad(k_BxSxKxH, pad_s), pad(v_BxSxKxH, pad_s), pad(q_seg, pad_t),
                pad(kv_seg, pad_s), pad(q_pos, pad_t), pad(kv_pos, pad_s), window, causal, softcap, scale, bq, bk)
   return out[:, :T]
+
+
+def cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxT, kv_seg_BxS, *, causal: bool, window, softcap,
+                    scale: float, implementation: str = "cudnn"):
+  """`jax.nn.dot_product_attention` as the `cudnn` impl calls it (`implementation="xla"` evaluates the same call on
+  any backend). Padding gets a segment of its own, so no row is fully masked (cuDNN would give it NaN, and a NaN
+  value row poisons every P @ V that reads it, even with weight 0)."""
+  t, s = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
+  if (softcap is not None or t != s or not (window is None or isinstance(window, (int, np.integer)))
+      or (window and not causal)):
+    raise ValueError("attention impl 'cudnn' takes self-attention (T == S) without a soft-cap, and a Python int "
+                     f"sliding_window only when causal (got T={t}, S={s}, softcap={softcap}, window={window!r}, "
+                     f"causal={causal}); use 'chunked'")
+  pad = lambda seg: jnp.where(seg == 0, -1, seg)  # noqa: E731
+  mask_Bx1xTxS = (pad(q_seg_BxT)[:, :, None] == pad(kv_seg_BxS)[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask_Bx1xTxS, scale=scale,
+                                      is_causal=causal, local_window_size=(window - 1, 0) if window else None,
+                                      implementation=implementation)
 
 
 # ---- chunked: flash attention in pure JAX ----------------------------------------------------------------------

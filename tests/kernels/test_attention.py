@@ -85,6 +85,26 @@ def test_value_matches_numpy_and_gradient_matches_dense(impl, case):
     np.testing.assert_allclose(g, d, rtol=1e-5, atol=1e-5 * np.abs(d).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("case", ["causal", "window", "bidirectional"])
+def test_cudnn_call_matches_numpy(case):
+  """The `cudnn` impl's call to `jax.nn.dot_product_attention`, evaluated by that API's XLA implementation (the
+  same arguments cuDNN gets on a GPU): padding's own segment, the window as cuDNN's left window."""
+  from jalign.kernels.attn import cudnn_attention
+  kw = CASES[case]
+  q, k, v, seg, pos = packed_batch(5)
+  got = cudnn_attention(q, k, v, jnp.asarray(seg), jnp.asarray(seg), causal=kw.get("causal", True),
+                        window=kw.get("sliding_window"), softcap=None, scale=0.3, implementation="xla")
+  want = numpy_attention(q, k, v, seg, seg, pos, pos, causal=kw.get("causal", True),
+                         window=kw.get("sliding_window"), softcap=None, scale=0.3)
+  valid = (seg != 0)[:, :, None, None]
+  np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), rtol=1e-5, atol=1e-5)
+  assert np.isfinite(np.asarray(got)).all()
+  with pytest.raises(ValueError, match="needs a GPU target"):
+    attention(q, k, v, impl="cudnn")
+  with pytest.raises(ValueError, match="without a soft-cap"):
+    cudnn_attention(q, k, v, jnp.asarray(seg), jnp.asarray(seg), causal=True, window=None, softcap=2.0, scale=0.3)
+
+
 def test_queries_at_an_offset_into_longer_keys():
   """Cross shapes (S != T): the last T positions of an S-token sequence, as a prefill after a cached prefix."""
   rng = np.random.default_rng(2)
@@ -150,7 +170,7 @@ def test_chunked_memory_is_linear_in_length():
 def test_bad_impl_and_shapes_are_named():
   q = jnp.zeros((1, 4, 4, 8))
   kv = jnp.zeros((1, 4, 3, 8))
-  with pytest.raises(ValueError, match="available: xla, chunked, splash, auto"):
+  with pytest.raises(ValueError, match="available: xla, chunked, splash, cudnn, auto"):
     attention(q, q, q, impl="flash")
   with pytest.raises(ValueError, match="K dividing N"):
     attention(q, kv, kv)
