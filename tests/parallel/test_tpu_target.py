@@ -61,3 +61,31 @@ def test_fit_report_compiles_the_task_step_for_a_slice():
   assert r["target"]["model_flops_per_chip"] * 4 == pytest.approx(want)
   assert r["target"]["step_time_lower_bound_s"] == pytest.approx(want / 4 / 197e12)
   assert "compiled for the TPU" in fit.format_report(r) and "fits in 16 GiB" in fit.format_report(r)
+
+
+def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
+  """The command of jalign/parallel/fit.py's doc: a Llama-3-8B SFT step, one 8192-token sequence per chip, bf16,
+  full remat, compiled for TPU v5p (4 chips, FSDP over them) with splash attention and the Pallas log-prob kernel
+  (auto picks both for a TPU): it fits the chip's 95 GiB (and uses under half of it)."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  from tests.configs_util import ROOT
+  out = tmp_path / "fit.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "jalign.parallel.fit", "--config=configs/sft.py", "--arch=llama3-8b", "--topology=v5p-8",
+       "--config.mesh.shape=(1,4,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
+       "--config.train.batch_size=4", "--config.train.seq_len=8192", f"--json={out}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert r["target"]["chip"] == "TPU v5p" and r["target"]["chips"] == 4
+  b = r["bytes_per_device"]
+  assert b["params"] == pytest.approx(8_030_261_248 * 2 / 4, rel=0.01)
+  assert b["peak"] < 0.5 * 95 * 2**30
+  assert "fits in 95 GiB per device" in proc.stdout
+  # 6 x 8.03e9 x 8192 matmul FLOPs plus attention, per chip, at 459 TFLOP/s: about 0.9 s at the least.
+  assert 0.8 < r["target"]["step_time_lower_bound_s"] < 1.1
