@@ -7,6 +7,8 @@ packs them). Memory: XLA's temporaries of the compiled value + gradient (compile
 
   python benchmarks/attention.py            # T = 512, 2048, 8192; memory to 32768; a few minutes on 2 cores
   python benchmarks/attention.py --quick    # T = 512 and 2048 only
+  python benchmarks/attention.py --topology=v5e:2x2   # also compiled for one TPU chip: bf16, 8 heads of 128,
+                                                      # xla at 8192 against splash and chunked at 8192 and 32768
 """
 from __future__ import annotations
 
@@ -62,10 +64,29 @@ def temp_bytes(impl: str, t: int) -> int:
   return _step(impl).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+def tpu_temp_bytes(impl: str, t: int, topology: str) -> int:
+  import os
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jalign import parallel
+  from jalign.parallel import tpu_target
+  mesh = parallel.mesh_from_config((1, 1, 1), devices=tpu_target.target(topology).devices)
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  q = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16, sharding=rep)
+  seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=rep)
+
+  def loss(q, k, v, s):
+    return jnp.sum(attention(q, k, v, q_segment_ids=s, kv_segment_ids=s, impl=impl).astype(jnp.float32))
+
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q, seg).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="T = 512 and 2048 only")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--topology", default="", help="also compile for one chip of this TPU slice (libtpu, no TPU)")
   args = parser.parse_args()
   lengths = (512, 2048) if args.quick else (512, 2048, 8192)
   print(f"value + gradient, {HEADS} heads over {KV_HEADS} kv heads of {HEAD_DIM}, fp32, causal, "
@@ -82,6 +103,15 @@ def main():
   print(f"  {'T':>6s} {'xla':>9s} {'chunked':>9s}")
   for t in (1024, 4096) if args.quick else (1024, 4096, 16384, 32768):
     print(f"  {t:6d} {temp_bytes('xla', t) / 2**20:9.1f} {temp_bytes('chunked', t) / 2**20:9.1f}", flush=True)
+  if args.topology:
+    print(f"compiled for one {args.topology} chip, value + gradient temporaries (MiB), bf16, 8 heads of 128:")
+    dense = tpu_temp_bytes("xla", 8192, args.topology)
+    print(f"  xla T=8192 {dense / 2**20:,.1f} (x16 for T=32768: {16 * dense / 2**20:,.0f})")
+    for impl in ("splash", "chunked"):
+      for t in (8192, 32768):
+        b = tpu_temp_bytes(impl, t, args.topology)
+        print(f"  {impl} T={t} {b / 2**20:,.1f} ({b / (dense * (t / 8192) ** 2):.2%} of xla scaled by T^2)",
+              flush=True)
   print(f"chunked/xla time ratio at 2048 (one sequence, packed): {ratios[2048, False]:.2f}, {ratios[2048, True]:.2f}")
 
 

@@ -4,6 +4,10 @@ Memory is XLA's own accounting of the compiled program (temporary bytes, i.e. ev
 outputs), so large shapes are only compiled, never run. Time is measured at a size where `xla` fits, both in one run.
 
   python benchmarks/logprob_memory.py            # T=8192, D=2048, V=128256 in bf16; growth tables; CPU time ratio
+  python benchmarks/logprob_memory.py --topology=v5e:2x2   # also compiled for one TPU chip: xla, chunked, pallas_tpu
+
+On a TPU compile the Pallas kernel's buffers do not show in XLA's temp bytes, so there "temporaries" are the larger of
+those and the compiler's peak less arguments and outputs.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jalign.kernels import full_kl, token_logprobs
+from jalign.kernels.chunked import chunk_columns
 
 
 def _fn(impl, chunk):
@@ -33,6 +38,27 @@ def kl_temp_bytes(impl: str, t: int, d: int, v: int, dtype, chunk: int) -> int:
   f = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(full_kl(*a, impl=impl, chunk=chunk)), argnums=(0, 1)))
   args = (sd((t, d), dtype), sd((d, v), dtype)) * 2
   return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def tpu_temp_bytes(impl: str, t: int, d: int, v: int, topology: str) -> int:
+  import os
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jalign import parallel
+  from jalign.parallel import tpu_target
+  mesh = parallel.mesh_from_config((1, 1, 1), devices=tpu_target.target(topology).devices)
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  sd = jax.ShapeDtypeStruct
+
+  def loss(h, w, y):
+    logp, entropy, _ = token_logprobs(h, w, y, impl=impl)
+    return jnp.sum(logp) + 0.1 * jnp.sum(entropy)
+
+  with jax.set_mesh(mesh):
+    m = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
+        sd((t, d), jnp.bfloat16, sharding=rep), sd((d, v), jnp.bfloat16, sharding=rep),
+        sd((t,), jnp.int32, sharding=rep)).compile().memory_analysis()
+  extra = m.peak_memory_in_bytes - m.argument_size_in_bytes - m.output_size_in_bytes + m.alias_size_in_bytes
+  return max(m.temp_size_in_bytes, extra)
 
 
 def seconds(impl: str, t: int, d: int, v: int, chunk: int, repeats: int) -> float:
@@ -55,7 +81,8 @@ def main():
   ap.add_argument("--tokens", type=int, default=8192)
   ap.add_argument("--hidden", type=int, default=2048)
   ap.add_argument("--vocab", type=int, default=128256)
-  ap.add_argument("--chunk", type=int, default=4096)
+  ap.add_argument("--chunk", type=int, default=0, help="vocabulary columns per chunk; 0 = from the memory budget")
+  ap.add_argument("--topology", default="", help="also compile for one chip of this TPU slice (libtpu, no TPU)")
   ap.add_argument("--time-shape", type=int, nargs=3, default=(1024, 256, 32768), metavar=("T", "D", "V"))
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args()
@@ -64,7 +91,7 @@ def main():
 
   t, d, v = args.tokens, args.hidden, args.vocab
   x, c = temp_bytes("xla", t, d, v, bf16, args.chunk), temp_bytes("chunked", t, d, v, bf16, args.chunk)
-  print(f"value+grad temp memory, T={t} D={d} V={v} bf16, chunk {args.chunk}:")
+  print(f"value+grad temp memory, T={t} D={d} V={v} bf16, chunk {args.chunk or chunk_columns(t, v)}:")
   print(f"  xla {x / gib:.2f} GiB   chunked {c / gib:.3f} GiB   chunked/xla = {c / x:.2%}")
   kx, kc = kl_temp_bytes("xla", t, d, v, bf16, args.chunk), kl_temp_bytes("chunked", t, d, v, bf16, args.chunk)
   print(f"  full_kl: xla {kx / gib:.2f} GiB   chunked {kc / gib:.3f} GiB   chunked/xla = {kc / kx:.2%}")
@@ -77,6 +104,11 @@ def main():
   for vv in (32000, 64000, 128256, 256000):
     print(f"  {vv:6d}  {temp_bytes('xla', t, d, vv, bf16, args.chunk) / gib:7.2f}  "
           f"{temp_bytes('chunked', t, d, vv, bf16, args.chunk) / gib:7.3f}")
+
+  if args.topology:
+    tpu = {impl: tpu_temp_bytes(impl, t, d, v, args.topology) for impl in ("xla", "chunked", "pallas_tpu")}
+    print(f"compiled for one {args.topology} chip, value+grad temporaries, T={t} D={d} V={v} bf16: " + "   ".join(
+        f"{impl} {b / 2**20:,.0f} MiB ({b / tpu['xla']:.1%})" for impl, b in tpu.items()))
 
   tt, dd, vv = args.time_shape
   sx = seconds("xla", tt, dd, vv, args.chunk, args.repeats)
