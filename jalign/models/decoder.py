@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import kernels
-from jalign.kernels.attn import attention_mask as _attention_mask, gqa_attention
+from jalign.kernels.attn import AUTO_CHUNKED_FROM, attention_mask as _attention_mask, gqa_attention
 from jalign.models import lora as lora_lib
 from jalign.models.attention import apply_rope, positions_from_mask
 from jalign.models.config import ModelConfig
@@ -128,7 +128,8 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
                   q_segment_BxT, q_index_T, kv: tuple | None, cache_index, dropout_key=None, *,
                   lora: lora_lib.LoraConfig | None = None):
   """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None: without one
-  the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots. Masks use
+  the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots (`chunked` for
+  a prefill into a cache of `AUTO_CHUNKED_FROM` slots or more, unless `cfg.attention` is `xla`). Masks use
   slot indices (`q_index_T`) for causality and windows, as transformers does. `lora`: the adapters' settings when
   `lp` holds adapters; `dropout_key` turns on their dropout (training only)."""
   dt = x_BxTxD.dtype
@@ -160,9 +161,17 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     keys = jax.lax.dynamic_update_slice_in_dim(cache_k, heads_first(k, cache_k), cache_index, axis=2)
     values = jax.lax.dynamic_update_slice_in_dim(cache_v, heads_first(v, cache_v), cache_index, axis=2)
     new_kv = (keys, values)
-    mask = _attention_mask(q_segment_BxT, k_segment, q_slot_BxT, slots(k_segment.shape[1]), sliding_window=window)
-    attn = gqa_attention(q, keys.astype(dt), values.astype(dt), mask, scale=cfg.scale, softcap=cfg.attn_softcap,
-                         kv_heads_first=True)
+    S = k_segment.shape[1]
+    if q.shape[1] > 1 and S >= AUTO_CHUNKED_FROM and cfg.attention != "xla":
+      # A long prefill: flash attention over the cache's slots (a [T, S] mask would be quadratic in the prompt).
+      tokens_first = lambda a: jnp.swapaxes(a, 1, 2).astype(dt)  # noqa: E731
+      attn = kernels.attention(q, tokens_first(keys), tokens_first(values), q_segment_ids=q_segment_BxT,
+                               kv_segment_ids=k_segment, q_positions=q_slot_BxT, kv_positions=slots(S),
+                               sliding_window=window, softcap=cfg.attn_softcap, scale=cfg.scale, impl="chunked")
+    else:  # decoding (one query) and short prefills read the cache in place
+      mask = _attention_mask(q_segment_BxT, k_segment, q_slot_BxT, slots(S), sliding_window=window)
+      attn = gqa_attention(q, keys.astype(dt), values.astype(dt), mask, scale=cfg.scale, softcap=cfg.attn_softcap,
+                           kv_heads_first=True)
   out = proj(attn, "o", in_dims=2)
   if cfg.out_bias:
     out = out + w("o_bias")

@@ -55,16 +55,18 @@ def test_sharding_rules_drop_axes_that_do_not_divide():
     models.make_mesh((4, 2, 2))
 
 
+@pytest.mark.parametrize("max_len", [16, 600])
 @pytest.mark.parametrize("family", ["llama", "gemma3", "mistral"])
-def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
+def test_kv_cache_decoding_matches_full_forward(checkpoints, family, max_len):
   """Prefill a left-padded batch, then decode token by token: logits equal the full forward's (sliding windows
-  included, since the sequence outgrows the window of 4)."""
+  included, since the sequence outgrows the window of 4). A cache of 600 slots takes the prefill through the
+  chunked attention kernel (over the empty slots too), 16 through the dense form."""
   model, path = checkpoints[family]
   lm = models.from_pretrained(path)
   ids, mask = ref.batch(model.config.vocab_size, pads=(0, 3), length=12)
   full = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
   prompt_len = 6
-  cache = models.KVCache.init(lm.cfg, batch=2, max_len=16)
+  cache = models.KVCache.init(lm.cfg, batch=2, max_len=max_len)
   hidden, cache = lm.forward(jnp.asarray(ids[:, :prompt_len]), jnp.asarray(mask[:, :prompt_len]), cache=cache)
   assert ref.max_diff(lm.logits(hidden), full[:, :prompt_len], mask[:, :prompt_len]) <= 1e-5
   next_pos = jnp.asarray(mask[:, :prompt_len].sum(1))
