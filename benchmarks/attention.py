@@ -18,6 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jalign.kernels import attention
 
@@ -65,21 +66,17 @@ def temp_bytes(impl: str, t: int) -> int:
 
 
 def tpu_temp_bytes(impl: str, t: int, topology: str) -> int:
-  import os
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jalign import parallel
   from jalign.parallel import tpu_target
-  mesh = parallel.mesh_from_config((1, 1, 1), devices=tpu_target.target(topology).devices)
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  q = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16, sharding=rep)
-  seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=rep)
+  mesh = tpu_target.chip_mesh(topology)
+  sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, P()))  # noqa: E731
+  q, seg = sd((1, t, 8, 128), jnp.bfloat16), sd((1, t), jnp.int32)
 
   def loss(q, k, v, s):
     return jnp.sum(attention(q, k, v, q_segment_ids=s, kv_segment_ids=s, impl=impl).astype(jnp.float32))
 
   with jax.set_mesh(mesh):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q, seg).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return tpu_target.temporaries(compiled.memory_analysis())
 
 
 def main():

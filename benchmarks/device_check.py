@@ -11,8 +11,8 @@ Sections (each timed on its own; a failing section is recorded with its error an
 - `attention`: value + gradient of `kernels.attention` over one causal sequence of T=8192 tokens, 32 query heads over
   8 key/value heads of 128 (Llama-3-8B's attention) in bf16, for `xla`, `chunked` and the chip's own (`cudnn` on a
   GPU, `splash` on a TPU): time, TFLOP/s (6 T^2 N H useful FLOPs: a causal forward's 2 T^2 N H, the backward
-  twice that), compiled temporaries, and each one's largest gradient difference from `xla` on a small packed bf16 case (relative
-  to the largest gradient).
+  twice that), compiled temporaries, and each one's largest gradient difference from `xla` on a small packed bf16
+  case (relative to the largest gradient).
 - `sft_step`, `grpo_step`: one train step of a Llama-3.2-1B-shaped model (bf16 compute, fp32 weights and AdamW),
   tokens/s and MFU (PaLM's 6N + 12 L H Dh T FLOPs per token).
 - `decode`: `sampling.generate` tokens/s at batch 64 against the HBM-bandwidth bound (every decode step reads the

@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jalign.kernels import full_kl, token_logprobs
 from jalign.kernels.chunked import chunk_columns
@@ -41,24 +42,18 @@ def kl_temp_bytes(impl: str, t: int, d: int, v: int, dtype, chunk: int) -> int:
 
 
 def tpu_temp_bytes(impl: str, t: int, d: int, v: int, topology: str) -> int:
-  import os
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jalign import parallel
   from jalign.parallel import tpu_target
-  mesh = parallel.mesh_from_config((1, 1, 1), devices=tpu_target.target(topology).devices)
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  sd = jax.ShapeDtypeStruct
+  mesh = tpu_target.chip_mesh(topology)
+  sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, P()))  # noqa: E731
 
   def loss(h, w, y):
     logp, entropy, _ = token_logprobs(h, w, y, impl=impl)
     return jnp.sum(logp) + 0.1 * jnp.sum(entropy)
 
   with jax.set_mesh(mesh):
-    m = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
-        sd((t, d), jnp.bfloat16, sharding=rep), sd((d, v), jnp.bfloat16, sharding=rep),
-        sd((t,), jnp.int32, sharding=rep)).compile().memory_analysis()
-  extra = m.peak_memory_in_bytes - m.argument_size_in_bytes - m.output_size_in_bytes + m.alias_size_in_bytes
-  return max(m.temp_size_in_bytes, extra)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
+        sd((t, d), jnp.bfloat16), sd((d, v), jnp.bfloat16), sd((t,), jnp.int32)).compile()
+  return tpu_target.temporaries(compiled.memory_analysis())
 
 
 def seconds(impl: str, t: int, d: int, v: int, chunk: int, repeats: int) -> float:

@@ -102,3 +102,17 @@ def target(name: str) -> Target:
     raise RuntimeError(f"cannot describe TPU topology {topology!r} ({name}): {e}. Compiling for a TPU on this host "
                        "needs libtpu: pip install 'jax[tpu]'") from e
   return Target(chip, topology, tuple(desc.devices))
+
+
+def chip_mesh(name: str):
+  """A ('data', 'fsdp', 'tensor') mesh of one chip of `name`'s slice: to compile a kernel or a step for one chip."""
+  from jalign.models.sharding import make_mesh
+  return make_mesh((1, 1, 1), target(name).devices[:1])
+
+
+def temporaries(memory_analysis) -> int:
+  """Bytes a compiled TPU program needs beyond its arguments and outputs: XLA's temp bytes or, where larger, its peak
+  less arguments and outputs (Pallas / Mosaic kernels' buffers show only in the peak)."""
+  m = memory_analysis
+  return max(m.temp_size_in_bytes,
+             m.peak_memory_in_bytes - m.argument_size_in_bytes - m.output_size_in_bytes + m.alias_size_in_bytes)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jalign.kernels import attention
 
@@ -178,14 +179,14 @@ def test_bad_impl_and_shapes_are_named():
 
 def _tpu_compile(impl, t, heads=8, head_dim=128):
   """value + gradient of attention over one bf16 sequence of `t` tokens, compiled for one TPU v5e chip."""
-  from jalign import parallel
   from jalign.parallel import tpu_target
-  mesh = parallel.mesh_from_config((1, 1, 1), devices=tpu_target.target("v5e:2x2").devices)
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  q = jax.ShapeDtypeStruct((1, t, heads, head_dim), jnp.bfloat16, sharding=rep)
-  seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=rep)
-  loss = lambda q, k, v, s: jnp.sum(attention(q, k, v, q_segment_ids=s, kv_segment_ids=s, impl=impl)  # noqa: E731
-                                    .astype(jnp.float32))
+  mesh = tpu_target.chip_mesh("v5e:2x2")
+  sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, P()))  # noqa: E731
+  q, seg = sd((1, t, heads, head_dim), jnp.bfloat16), sd((1, t), jnp.int32)
+
+  def loss(q, k, v, s):
+    return jnp.sum(attention(q, k, v, q_segment_ids=s, kv_segment_ids=s, impl=impl).astype(jnp.float32))
+
   with jax.set_mesh(mesh):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q, seg).compile()
 

@@ -25,28 +25,27 @@ def test_value_and_gradient_lower_for_the_chip(backend, shape, dtype, softcap):
 
 
 def _tpu_compile(impl, shape, mesh_shape=(1, 1, 1)):
-  """value + gradient of token_logprobs (logp + 0.1 entropy) compiled for TPU v5e chips; the compiled program and
-  its temporaries: XLA's temp bytes or, where larger, its peak less arguments and outputs (Mosaic's buffers show
-  only there)."""
+  """value + gradient of token_logprobs (logp + 0.1 entropy) compiled for TPU v5e chips: the compiled program and
+  the bytes it needs beyond arguments and outputs (`tpu_target.temporaries`)."""
   from jalign import parallel
   from jalign.kernels import token_logprobs
   from jalign.parallel import tpu_target
   t, d, v = shape
   mesh = parallel.mesh_from_config(mesh_shape, devices=tpu_target.target("v5e:2x2").devices)
-  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  sd = jax.ShapeDtypeStruct
+  rows = jax.sharding.PartitionSpec(("data", "fsdp"))
+
+  def sd(shape, dtype, spec):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, spec))
+
   def loss(h, w, y):
     logp, entropy, _ = token_logprobs(h, w, y, impl=impl)
     return jnp.sum(logp) + 0.1 * jnp.sum(entropy)
 
   with jax.set_mesh(mesh):
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
-        sd((t, d), jnp.bfloat16, sharding=rows), sd((d, v), jnp.bfloat16, sharding=rep),
-        sd((t,), jnp.int32, sharding=rows)).compile()
-  m = compiled.memory_analysis()
-  extra = m.peak_memory_in_bytes - m.argument_size_in_bytes - m.output_size_in_bytes + m.alias_size_in_bytes
-  return compiled, max(m.temp_size_in_bytes, extra)
+        sd((t, d), jnp.bfloat16, rows), sd((d, v), jnp.bfloat16, jax.sharding.PartitionSpec()),
+        sd((t,), jnp.int32, rows)).compile()
+  return compiled, tpu_target.temporaries(compiled.memory_analysis())
 
 
 @pytest.mark.parametrize("shape", [(8192, 2048, 128256), (8192, 3584, 152064)])  # Llama 3 (1B-3B), Qwen2.5-7B
