@@ -63,6 +63,29 @@ def best_time(fn, repeats: int) -> float:
   return best
 
 
+def time_impls(out: dict, impls: dict, make_fn, args, *, shape, flops: float, repeats: int, peaks: dict,
+               nbytes: float = 0.0) -> None:
+  """Times each implementation that passed its correctness check (`out[impl]` has no error) on bf16 `args`:
+  seconds, TFLOP/s and GB/s (of `nbytes` moved) with their fractions of the chip's peaks, compiled temporaries."""
+  for impl, kw in impls.items():
+    entry = out[impl]
+    if "error" in entry:
+      continue
+    try:
+      fn = make_fn(impl, kw)
+      secs = best_time(lambda: fn(*args), repeats)
+      entry.update(shape=list(shape), dtype="bfloat16", seconds=secs, tflops=flops / secs / 1e12,
+                   temp_bytes=fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+      if peaks["flops"]:
+        entry["fraction_of_peak_flops"] = flops / secs / peaks["flops"]
+      if nbytes:
+        entry["gbytes_per_s"] = nbytes / secs / 1e9
+        if peaks["hbm"]:
+          entry["fraction_of_peak_hbm"] = nbytes / secs / peaks["hbm"]
+    except Exception as e:  # noqa: BLE001 - recorded, the other implementations still run
+      entry["error"] = _error(e)
+
+
 def pallas_impl() -> tuple[str, bool]:
   """The chip's Pallas kernel, or the GPU one in interpret mode elsewhere (smoke: exercises the code path)."""
   backend = jax.default_backend()
@@ -99,22 +122,8 @@ def logprobs_section(shapes: dict, peaks: dict) -> dict:
   w = jnp.asarray(rng.randn(d, v) * 0.02, jnp.bfloat16)
   y = jnp.asarray(rng.randint(0, v, t))
   flops, nbytes = 6.0 * t * d * v, 2 * 2 * (t * d + d * v)
-  for impl, kw in impls.items():
-    entry = out[impl]
-    if "error" in entry:
-      continue
-    try:
-      fn = value_and_grad(impl, kw)
-      secs = best_time(lambda: fn(h, w, y), shapes["repeats"])
-      entry.update(shape=[t, d, v], dtype="bfloat16", seconds=secs, tflops=flops / secs / 1e12,
-                   gbytes_per_s=nbytes / secs / 1e9)
-      if peaks["flops"]:
-        entry["fraction_of_peak_flops"] = flops / secs / peaks["flops"]
-      if peaks["hbm"]:
-        entry["fraction_of_peak_hbm"] = nbytes / secs / peaks["hbm"]
-      entry["temp_bytes"] = fn.lower(h, w, y).compile().memory_analysis().temp_size_in_bytes
-    except Exception as e:  # noqa: BLE001
-      entry["error"] = _error(e)
+  time_impls(out, impls, value_and_grad, (h, w, y), shape=(t, d, v), flops=flops, nbytes=nbytes,
+             repeats=shapes["repeats"], peaks=peaks)
   return out
 
 
@@ -156,19 +165,8 @@ def attention_section(shapes: dict, peaks: dict) -> dict:
   t, n, k, h = shapes["attention_shape"]
   args = inputs(t, n, k, h, lambda t: np.ones(t, np.int32))
   flops = 6.0 * t * t * n * h
-  for impl, kw in impls.items():
-    entry = out[impl]
-    if "error" in entry:
-      continue
-    try:
-      fn = value_and_grad(impl, kw)
-      secs = best_time(lambda: fn(*args), shapes["repeats"])
-      entry.update(shape=[t, n, k, h], dtype="bfloat16", seconds=secs, tflops=flops / secs / 1e12,
-                   temp_bytes=fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
-      if peaks["flops"]:
-        entry["fraction_of_peak_flops"] = flops / secs / peaks["flops"]
-    except Exception as e:  # noqa: BLE001
-      entry["error"] = _error(e)
+  time_impls(out, impls, value_and_grad, args, shape=(t, n, k, h), flops=flops, repeats=shapes["repeats"],
+             peaks=peaks)
   return out
 
 

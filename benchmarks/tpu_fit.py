@@ -42,6 +42,8 @@ def _config(task: str, chips: int, tokens: int, mesh: tuple[int, int, int]):
 CASES = [(f"{task} 8b {acc} {t // 1024}k", task, "llama3-8b", acc, t, (1, chips, 1))
          for acc, chips in (("v5p-8", 4), ("v6e-8", 8)) for task in ("sft", "dpo", "grpo")
          for t in (4096, 8192, 32768)]
+# One 32k-token pair per chip does not fit a v6e's 32 GiB: a pair over two chips (tensor parallel) does.
+CASES += [("dpo 8b v6e-8 32k tp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 2))]
 CASES += [(f"grpo 70b v5p-64 {t // 1024}k", "grpo", "llama3-70b", "v5p-64", t, (1, 8, 4)) for t in (4096, 8192)]
 
 
