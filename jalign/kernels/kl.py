@@ -10,23 +10,33 @@ have different widths (a larger teacher) but share the vocabulary.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jalign.kernels.chunked import (_NEG, _chunk, _chunk_logits, chunk_columns, n_chunks, scan_chunks,
                                     write_columns)
+from jalign.kernels.kl_pallas import full_kl_pallas_tpu
+from jalign.kernels.target import target_platform
 
-IMPLS = ("xla", "chunked")
+IMPLS = ("xla", "chunked", "pallas_tpu", "auto")
 
 
 def full_kl(hidden_p_TxD: jax.Array, unembed_p_DxV: jax.Array, hidden_q_TxE: jax.Array, unembed_q_ExV: jax.Array, *,
             temperature: float = 1.0, softcap: float | None = None, mask_T: jax.Array | None = None,
-            impl: str = "chunked", chunk: int = 0) -> jax.Array:
+            impl: str = "chunked", chunk: int = 0, interpret: bool = False) -> jax.Array:
   """kl_T = KL(softmax(z_p / temp) || softmax(z_q / temp)) per position (0 where `mask_T` is 0); fp32. `chunk`: 0 =
-  `chunk_columns`."""
+  `chunk_columns`. `impl="auto"`: `pallas_tpu` when compiling for a TPU (the mesh's devices), else `chunked`;
+  `interpret` runs the TPU kernel in Pallas' interpret mode on any backend (slow: a correctness check)."""
   if impl not in IMPLS:
     raise ValueError(f"full_kl impl {impl!r}; available: {', '.join(IMPLS)}")
+  if impl == "auto":
+    impl = "pallas_tpu" if target_platform() == "tpu" else "chunked"
+  if impl == "pallas_tpu" and not interpret and target_platform() != "tpu":
+    raise ValueError(f"full_kl impl 'pallas_tpu' needs a TPU target (this one is {target_platform()}); use "
+                     "impl='chunked', or interpret=True for a slow correctness run")
   if unembed_p_DxV.shape[1] != unembed_q_ExV.shape[1]:
     raise ValueError(f"full_kl: policy vocabulary {unembed_p_DxV.shape[1]} != reference vocabulary "
                      f"{unembed_q_ExV.shape[1]}")
@@ -36,12 +46,30 @@ def full_kl(hidden_p_TxD: jax.Array, unembed_p_DxV: jax.Array, hidden_q_TxE: jax
   wq = jax.lax.stop_gradient(unembed_q_ExV)
   if impl == "xla":
     kl = _xla(hp, unembed_p_DxV, hq, wq, temperature, softcap)
+  elif impl == "pallas_tpu":
+    kl = _pallas_tpu(hp, unembed_p_DxV, hq, wq, temperature, softcap, interpret)
   else:
     kl = _kl_chunked(hp, unembed_p_DxV, hq, wq, float(temperature), None if softcap is None else float(softcap),
                      int(min(chunk or chunk_columns(hp.shape[0], unembed_p_DxV.shape[1]), unembed_p_DxV.shape[1])))
   if mask_T is not None:
     kl = jnp.where(mask_T.reshape(-1) != 0, kl, 0.0)
   return kl.reshape(lead)
+
+
+def _pallas_tpu(hp, wp, hq, wq, temperature, softcap, interpret):
+  """The TPU kernel; under a mesh in shard_map over every axis (Mosaic is not auto-partitioned), rows split over the
+  data-parallel axes where they divide, the unembeddings whole."""
+  if interpret:
+    from jax.experimental.pallas import tpu as pltpu
+    interpret = pltpu.InterpretParams()
+  run = functools.partial(full_kl_pallas_tpu, temperature=temperature, softcap=softcap, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return run(hp, wp, hq, wq)
+  sizes = dict(mesh.shape)
+  batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+  rows = P(batch if batch and hp.shape[0] % math.prod(sizes[a] for a in batch) == 0 else None)
+  return jax.shard_map(run, in_specs=(rows, P(), rows, P()), out_specs=rows, check_vma=False)(hp, wp, hq, wq)
 
 
 def _xla(hp, wp, hq, wq, temperature, softcap):
