@@ -110,6 +110,9 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
     return cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg, kv_seg, causal=causal, window=sliding_window,
                            softcap=softcap, scale=scale)
   if impl == "splash":
+    if target_platform() != "tpu" and not interpret:
+      raise ValueError(f"attention impl 'splash' needs a TPU target (this one is {target_platform()}); use "
+                       "'chunked', or interpret=True for a slow correctness run")
     from jalign.kernels.splash import splash_attention
     return splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg, kv_seg, causal=causal, window=sliding_window,
                             softcap=softcap, scale=scale, interpret=interpret)

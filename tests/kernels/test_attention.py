@@ -175,6 +175,8 @@ def test_bad_impl_and_shapes_are_named():
     attention(q, q, q, impl="flash")
   with pytest.raises(ValueError, match="K dividing N"):
     attention(q, kv, kv)
+  with pytest.raises(ValueError, match="'splash' needs a TPU target .*interpret=True"):
+    attention(q, q, q, impl="splash")
 
 
 def _tpu_compile(impl, t, heads=8, head_dim=128):
