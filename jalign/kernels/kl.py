@@ -10,7 +10,6 @@ have different widths (a larger teacher) but share the vocabulary.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jalign.kernels.chunked import (_NEG, _chunk, _chunk_logits, chunk_columns, n_chunks, scan_chunks,
                                     write_columns)
 from jalign.kernels.kl_pallas import full_kl_pallas_tpu
-from jalign.kernels.target import target_platform
+from jalign.kernels.target import row_axes, target_platform
 
 IMPLS = ("xla", "chunked", "pallas_tpu", "auto")
 
@@ -66,9 +65,7 @@ def _pallas_tpu(hp, wp, hq, wq, temperature, softcap, interpret):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return run(hp, wp, hq, wq)
-  sizes = dict(mesh.shape)
-  batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
-  rows = P(batch if batch and hp.shape[0] % math.prod(sizes[a] for a in batch) == 0 else None)
+  rows = P(row_axes(hp.shape[0]))
   return jax.shard_map(run, in_specs=(rows, P(), rows, P()), out_specs=rows, check_vma=False)(hp, wp, hq, wq)
 
 

@@ -15,7 +15,6 @@ them (a max and sums), so no device ever holds the whole vocabulary's weights or
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jalign.kernels.chunked import chunk_columns, token_logprobs_chunked
 from jalign.kernels.pallas import TPU_SCOPED_VMEM, token_logprobs_pallas, tpu_vmem_bytes
-from jalign.kernels.target import target_platform
+from jalign.kernels.target import row_axes, target_platform
 
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "auto")
 AUTO_XLA_VOCAB = 4096            # `auto` keeps the plain logits up to this vocabulary
@@ -78,9 +77,8 @@ def token_logprobs(hidden_TxD: jax.Array, unembed_DxV: jax.Array, targets_T: jax
   sizes = {} if mesh.empty else dict(mesh.shape)
   shards = sizes.get(VOCAB_AXIS, 1) if vocab % sizes.get(VOCAB_AXIS, 1) == 0 else 1
   if impl in _PLATFORM and sizes:  # Mosaic / Triton kernels are not auto-partitioned: every mesh axis manual
-    batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
-    rows = batch if batch and hidden.shape[0] % math.prod(sizes[a] for a in batch) == 0 else None
-    out = _on_mesh(local, hidden, unembed_DxV, targets, shards, opts, rows, frozenset(mesh.axis_names))
+    out = _on_mesh(local, hidden, unembed_DxV, targets, shards, opts, row_axes(hidden.shape[0]),
+                   frozenset(mesh.axis_names))
   elif shards > 1:
     out = _on_mesh(local, hidden, unembed_DxV, targets, shards, opts, None, frozenset({VOCAB_AXIS}))
   else:

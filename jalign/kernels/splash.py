@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jalign.kernels.target import row_axes
+
 BLOCK = 512       # query / key block of the forward and both backward kernels (at most; multiples of 128)
 _PAD_SEGMENT = -1  # padding's own segment id
 
@@ -68,10 +70,8 @@ def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxT, kv_seg_BxS, *, 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(*args)[:, :T]
-  sizes = dict(mesh.shape)
-  batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
-  batch = batch if batch and B % int(np.prod([sizes[a] for a in batch])) == 0 else None
-  t = sizes.get("tensor", 1)
+  batch = row_axes(B)
+  t = dict(mesh.shape).get("tensor", 1)
   head = "tensor" if t > 1 and N % t == 0 and K % t == 0 else None
   tok, row = P(batch, None, head, None), P(batch, None)
   out = jax.shard_map(local, in_specs=(tok, tok, tok, row, row), out_specs=tok, check_vma=False)(*args)

@@ -1,5 +1,7 @@
-"""The platform a kernel is being compiled for."""
+"""The platform a kernel is being compiled for, and how the current mesh splits rows."""
 from __future__ import annotations
+
+import math
 
 import jax
 
@@ -9,3 +11,12 @@ def target_platform() -> str:
   on another host), else the default backend."""
   mesh = jax.sharding.get_abstract_mesh()
   return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def row_axes(rows: int) -> tuple[str, ...] | None:
+  """The data-parallel axes of the current mesh ('data', 'fsdp', those larger than 1) for a shard_map spec of
+  `rows` leading rows: None (rows whole on every device) without a mesh or where they do not split evenly."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = {} if mesh.empty else dict(mesh.shape)
+  axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+  return axes if axes and rows % math.prod(sizes[a] for a in axes) == 0 else None
