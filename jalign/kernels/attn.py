@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jalign.kernels.target import target_platform
+from jalign.kernels.target import static_window, target_platform
 
 IMPLS = ("xla", "chunked", "splash", "cudnn", "auto")
 AUTO_CHUNKED_FROM = 512    # keys per row from which `auto` takes `chunked` (faster than `xla` from there on CPU)
@@ -94,12 +94,11 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
   q_pos = steps(T) if q_positions is None else q_positions.astype(jnp.int32)
   kv_pos = steps(S) if kv_positions is None else kv_positions.astype(jnp.int32)
   scale = H ** -0.5 if scale is None else float(scale)
-  static_window = sliding_window is None or isinstance(sliding_window, (int, np.integer))
   if impl == "auto":
     platform = target_platform()
-    if platform == "tpu" and T == S and static_window:
+    if platform == "tpu" and T == S and static_window(sliding_window):
       impl = "splash"
-    elif (platform == "gpu" and T == S and static_window and softcap is None
+    elif (platform == "gpu" and T == S and static_window(sliding_window) and softcap is None
           and q_BxTxNxH.dtype in (jnp.bfloat16, jnp.float16)):
       impl = "cudnn"
     else:
@@ -134,7 +133,7 @@ def cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxT, kv_seg_BxS, *, c
   any backend). Padding gets a segment of its own, so no row is fully masked (cuDNN would give it NaN, and a NaN
   value row poisons every P @ V that reads it, even with weight 0)."""
   t, s = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
-  if (softcap is not None or t != s or not (window is None or isinstance(window, (int, np.integer)))
+  if (softcap is not None or t != s or not static_window(window)
       or (window and not causal)):
     raise ValueError("attention impl 'cudnn' takes self-attention (T == S) without a soft-cap, and a Python int "
                      f"sliding_window only when causal (got T={t}, S={s}, softcap={softcap}, window={window!r}, "

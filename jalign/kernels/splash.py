@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jalign.kernels.target import row_axes
+from jalign.kernels.target import row_axes, static_window
 
 BLOCK = 512       # query / key block of the forward and both backward kernels (at most; multiples of 128)
 _PAD_SEGMENT = -1  # padding's own segment id
@@ -53,7 +52,7 @@ def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxT, kv_seg_BxS, *, 
   if T != S:
     raise ValueError(f"attention impl 'splash' takes self-attention over one sequence (T == S); got T={T}, S={S}: "
                      "use impl='chunked'")
-  if window is not None and not isinstance(window, (int, np.integer)):
+  if not static_window(window):
     raise ValueError("attention impl 'splash' builds its mask ahead of time and needs a Python int sliding_window; "
                      "got a traced one (per-layer windows under lax.scan: set model.scan_layers=False, or use "
                      "impl='chunked')")

@@ -1,9 +1,10 @@
-"""The platform a kernel is being compiled for, and how the current mesh splits rows."""
+"""The platform a kernel is being compiled for, how the current mesh splits rows, static windows."""
 from __future__ import annotations
 
 import math
 
 import jax
+import numpy as np
 
 
 def target_platform() -> str:
@@ -11,6 +12,12 @@ def target_platform() -> str:
   on another host), else the default backend."""
   mesh = jax.sharding.get_abstract_mesh()
   return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def static_window(window) -> bool:
+  """Whether a sliding window is known when tracing (None or a Python / NumPy int): kernels that build their masks
+  ahead of time (splash, cuDNN) need that; per-layer windows scanned with the weights are traced."""
+  return window is None or isinstance(window, (int, np.integer))
 
 
 def row_axes(rows: int) -> tuple[str, ...] | None:
