@@ -12,6 +12,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from jalign.data.layouts import Fields
 from jalign.losses.dpo import PAIRED, REFERENCE_FREE
 from jalign.models.config import ModelConfig
 from jalign.models.lora import LoraConfig
@@ -58,6 +59,15 @@ class DataSection:
   max_length_ratio: float = 1.5        # chosen/rejected mean-length ratio beyond which pair_checks reports it
   pairs_per_prompt: int = 1            # pairs one prompt may have before pair_checks reports repeated prompts
   check_records: int = 0               # records read by the pair checks; 0 = all
+  # how a dataset's records map onto TRL's layouts (jalign.data.layouts): "auto" recognises GSM8K, MATH, HH-RLHF,
+  # UltraFeedback, ShareGPT and LLaMA-Factory KTO records; "none" reads records as they are
+  layout: Literal["auto", "none", "gsm8k", "math", "hh_rlhf", "ultrafeedback", "sharegpt", "kto_messages"] = "auto"
+  prompt_key: str = ""                 # field holding the prompt (verl's data.prompt_key); "" = by layout
+  answer_key: str = ""                 # field holding the ground truth, dotted for nested fields (verl's
+                                       # "reward_model.ground_truth"); "" = by layout
+
+  def fields(self) -> Fields:
+    return Fields(self.layout, self.prompt_key, self.answer_key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ def run_eval(cfg: RunConfig) -> dict:
   import os
 
   from jalign.eval.policy import evaluate
-  out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer)
+  out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer, fields=cfg.data.fields())
   if distributed.is_main():
     os.makedirs(cfg.run_dir, exist_ok=True)
     path = os.path.join(cfg.run_dir, "eval.json")

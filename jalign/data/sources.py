@@ -14,25 +14,52 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jalign.data.errors import DataError
+from jalign.data.layouts import Fields, MappedSource
 
-class DataError(ValueError):
-  """A record or data file that cannot be used; the message names the file and line/row and the reason."""
+
+def _read_bytes(path: str) -> bytes:
+  if path.endswith(".gz"):
+    import gzip
+    try:
+      with gzip.open(path, "rb") as f:
+        return f.read()
+    except (OSError, EOFError) as e:
+      raise DataError(f"{path}: not a readable gzip file ({e})") from None
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def _decode(raw: bytes, where: str) -> dict:
+  try:
+    record = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+  except json.JSONDecodeError as e:
+    raise DataError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
+  if not isinstance(record, dict):
+    raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}")
+  return record
 
 
 class JsonlSource:
-  """One JSON object per line; blank lines are ignored. Line offsets are indexed once at open."""
+  """One JSON object per line; blank lines are ignored. Line offsets are indexed once at open; a `.gz` file is
+  decompressed into memory once (random access into a gzip stream would re-read it from the start)."""
 
   def __init__(self, path: str):
     self.path = path
+    self._data = _read_bytes(path) if path.endswith(".gz") else None
     self._offsets = array.array("q")  # 8 bytes per record (a list of ints costs ~9x that)
     self._lines = array.array("q")
-    with open(path, "rb") as f:
-      offset = 0
-      for lineno, line in enumerate(f, start=1):
-        if line.strip():
-          self._offsets.append(offset)
-          self._lines.append(lineno)
-        offset += len(line)
+    lines = self._data.splitlines(keepends=True) if self._data is not None else open(path, "rb")
+    offset = 0
+    for lineno, line in enumerate(lines, start=1):
+      if line.strip():
+        self._offsets.append(offset)
+        self._lines.append(lineno)
+      offset += len(line)
+    if self._data is None:
+      lines.close()
 
   def __len__(self) -> int:
     return len(self._offsets)
@@ -41,18 +68,80 @@ class JsonlSource:
     return f"{self.path}:{self._lines[i]}"
 
   def __getitem__(self, i: int) -> dict:
-    with open(self.path, "rb") as f:
-      f.seek(self._offsets[i])
-      raw = f.readline()
-    try:
-      record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-      raise DataError(f"{self.where(i)}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-      raise DataError(f"{self.where(i)}: bad JSON ({e.msg} at column {e.colno})") from None
+    if self._data is not None:
+      start = self._offsets[i]
+      end = self._data.find(b"\n", start)
+      raw = self._data[start:] if end < 0 else self._data[start:end]
+    else:
+      with open(self.path, "rb") as f:
+        f.seek(self._offsets[i])
+        raw = f.readline()
+    return _decode(raw, self.where(i))
+
+
+class JsonArraySource:
+  """A JSON file holding one array of objects (LLaMA-Factory's and Alpaca's `.json` datasets), parsed once; each
+  element is located by the line its object starts on."""
+
+  def __init__(self, path: str, text: str):
+    self.path = path
+    decoder = json.JSONDecoder()
+    self._records, self._lines = [], []
+    i = text.index("[") + 1
+    line = text.count("\n", 0, i) + 1
+    while True:
+      j = _skip(text, i)
+      if j < len(text) and text[j] == "]":
+        break
+      line += text.count("\n", i, j)
+      try:
+        value, end = decoder.raw_decode(text, j)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+      self._records.append(value)
+      self._lines.append(line)
+      line += text.count("\n", j, end)
+      i = _skip(text, end)
+      if i >= len(text) or text[i] not in ",]":
+        raise DataError(f"{path}:{line}: bad JSON (expected ',' or ']' after element {len(self._records) - 1})")
+      if text[i] == "]":
+        break
+      line += text.count("\n", end, i + 1)
+      i += 1
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def where(self, i: int) -> str:
+    return f"{self.path}:{self._lines[i]}"
+
+  def __getitem__(self, i: int) -> dict:
+    record = self._records[i]
     if not isinstance(record, dict):
       raise DataError(f"{self.where(i)}: expected a JSON object, found {type(record).__name__}")
     return record
+
+
+def _skip(text: str, i: int) -> int:
+  while i < len(text) and text[i] in " \t\r\n":
+    i += 1
+  return i
+
+
+def json_source(path: str):
+  """`.json`: an array of objects, or (as many `.json` datasets are) JSON lines."""
+  if path.endswith(".gz"):
+    head = _read_bytes(path)
+  else:
+    with open(path, "rb") as f:
+      head = f.read(4096)
+  if head.lstrip()[:1] != b"[":
+    return JsonlSource(path)
+  try:
+    text = _read_bytes(path).decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+  return JsonArraySource(path, text)
 
 
 class ParquetSource:
@@ -177,13 +266,18 @@ def _plain(value):
   return value
 
 
-FORMATS = {".jsonl": JsonlSource, ".json": JsonlSource, ".parquet": ParquetSource,
+FORMATS = {".jsonl": JsonlSource, ".json": json_source, ".parquet": ParquetSource,
            ".arrayrecord": ArrayRecordSource, ".array_record": ArrayRecordSource}
 
 
-def open_source(spec: str, *, synthetic=None) -> Any:
-  """`spec`: a file, a glob or a comma-separated list of them (.jsonl, .parquet, .arrayrecord);
-  `tfds:NAME[:SPLIT]@DATA_DIR`; or `synthetic:TASK[:SPLIT]` (built-in tasks, see jalign.data.synthetic)."""
+def open_source(spec: str, fields: Fields = Fields()) -> Any:
+  """`spec`: a file, a glob or a comma-separated list of them (.jsonl, .json, .parquet, .arrayrecord; .jsonl.gz,
+  .json.gz); `tfds:NAME[:SPLIT]@DATA_DIR`; or `synthetic:TASK[:SPLIT]` (built-in tasks, see jalign.data.synthetic).
+  Records pass through `fields` (jalign.data.layouts: GSM8K, MATH, HH-RLHF, ... mapped onto TRL's layouts)."""
+  return MappedSource(_open(spec), fields)
+
+
+def _open(spec: str) -> Any:
   if spec.startswith("tfds:"):
     body, _, data_dir = spec[len("tfds:"):].partition("@")
     name, _, split = body.partition(":")
@@ -197,9 +291,10 @@ def open_source(spec: str, *, synthetic=None) -> Any:
     if not files:
       raise DataError(f"data spec {part!r}: no file matches")
     for f in files:
-      ext = os.path.splitext(f)[1].lower()
-      if ext not in FORMATS:
-        raise DataError(f"{f}: unknown data file type {ext!r}; accepted: {', '.join(FORMATS)}, tfds:..., "
+      ext = os.path.splitext(f[:-3] if f.endswith(".gz") else f)[1].lower()
+      if ext not in FORMATS or (f.endswith(".gz") and ext not in (".jsonl", ".json")):
+        raise DataError(f"{f}: unknown data file type {ext!r}; accepted: {', '.join(FORMATS)} (.jsonl and .json "
+                        "also gzipped), tfds:..., "
                         "synthetic:...")
       if not os.path.exists(f):
         raise DataError(f"{f}: data file not found")

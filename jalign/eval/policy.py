@@ -20,6 +20,7 @@ from flax import nnx
 from jalign import models, sampling, tokenizer as tokenizer_lib
 from jalign.config import EvalSection
 from jalign.data import preference, sft as sft_data
+from jalign.data.layouts import Fields
 from jalign.data.sources import DataError, open_source
 from jalign.eval import ranking
 from jalign.models.sharding import to_host
@@ -126,10 +127,10 @@ def reward_scores(rm_path: str, r: Responses, pad_id: int) -> np.ndarray:
                          for s in range(0, len(ids), 128)])
 
 
-def _encoded(spec: str, encode) -> list[dict]:
+def _encoded(spec: str, encode, fields: Fields = Fields()) -> list[dict]:
   """The records of `spec` that `encode` accepts (a held-out check reads what it can, as a training run that skips
   bad records would)."""
-  source = open_source(spec)
+  source = open_source(spec, fields)
   out = []
   for i in range(len(source)):
     try:
@@ -139,9 +140,9 @@ def _encoded(spec: str, encode) -> list[dict]:
   return out
 
 
-def perplexity(lm, tok, spec: str, *, max_length: int, batch_size: int) -> float:
+def perplexity(lm, tok, spec: str, *, max_length: int, batch_size: int, fields: Fields = Fields()) -> float:
   """exp(mean NLL per loss token) over the SFT records of `spec` (completion / assistant tokens)."""
-  examples = _encoded(spec, functools.partial(sft_data.encode, tok=tok, max_length=max_length))
+  examples = _encoded(spec, functools.partial(sft_data.encode, tok=tok, max_length=max_length), fields)
   graphdef, params = nnx.split(lm)
   loss_fn = jax.jit(sft_objective.make_loss_fn(graphdef))
   nll, count = 0.0, 0.0
@@ -161,11 +162,12 @@ def perplexity(lm, tok, spec: str, *, max_length: int, batch_size: int) -> float
   return math.exp(nll / count) if count else float("nan")
 
 
-def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: int, limit: int = 0) -> dict:
+def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: int, limit: int = 0,
+                 fields: Fields = Fields()) -> dict:
   """A reward model's (or ensemble's: weighted sum of its members' scores) pairwise accuracy (chosen scored above
   rejected) and, with gold scores, Spearman / Kendall, over the first `limit` pairs of `spec` (0 = all)."""
   from jalign.objectives.reward import load_scorers, pair_scores
-  examples = _encoded(spec, functools.partial(preference.encode, tok=tok, max_length=max_length))
+  examples = _encoded(spec, functools.partial(preference.encode, tok=tok, max_length=max_length), fields)
   examples = examples[:limit] if limit else examples
   batches = []
   for start in range(0, len(examples), batch_size):
@@ -182,13 +184,13 @@ def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: i
   return {"rm/" + k: v for k, v in ranking.pair_metrics(total, examples).items()}
 
 
-def load_prompts(e: EvalSection, tok, max_prompt_length: int) -> list[Prompt]:
-  source = open_source(e.prompts)
+def load_prompts(e: EvalSection, tok, max_prompt_length: int, fields: Fields = Fields()) -> list[Prompt]:
+  source = open_source(e.prompts, fields)
   return [encode_prompt(source[i], tok, index=i, where=source.where(i), max_length=max_prompt_length)
           for i in range(min(len(source), e.examples))]
 
 
-def evaluate(e: EvalSection, path: str, *, tokenizer: str = "") -> dict[str, float]:
+def evaluate(e: EvalSection, path: str, *, tokenizer: str = "", fields: Fields = Fields()) -> dict[str, float]:
   """Every metric the section asks for, for the HF checkpoint at `path` (see the module doc)."""
   if e.metric not in REGISTRY or e.metric not in NEEDS_GROUND_TRUTH:
     raise ValueError(f"eval.metric={e.metric!r}: accepted verifiers: {', '.join(sorted(NEEDS_GROUND_TRUTH))}")
@@ -197,7 +199,7 @@ def evaluate(e: EvalSection, path: str, *, tokenizer: str = "") -> dict[str, flo
   tok = tokenizer_lib.load(tokenizer or path)
   lm = models.from_pretrained(path, dtype="float32")
   max_prompt = lm.cfg.max_position_embeddings - e.max_new_tokens
-  prompts = load_prompts(e, tok, max_prompt)
+  prompts = load_prompts(e, tok, max_prompt, fields)
   gen = functools.partial(generate, tok=tok, prompts=prompts, max_new_tokens=e.max_new_tokens,
                           batch_size=e.batch_size)
   greedy = gen(lm, temperature=0.0)
@@ -233,8 +235,8 @@ def evaluate(e: EvalSection, path: str, *, tokenizer: str = "") -> dict[str, flo
     out["eval/kl_to_reference"] = float(np.mean(kl))
   if e.sft_data:
     out["eval/perplexity"] = perplexity(lm, tok, e.sft_data, max_length=lm.cfg.max_position_embeddings,
-                                        batch_size=e.batch_size)
+                                        batch_size=e.batch_size, fields=fields)
   if e.pairs and e.reward_model:
     out.update(pair_metrics(e.reward_model, tok, e.pairs, max_length=lm.cfg.max_position_embeddings,
-                            batch_size=e.batch_size))
+                            batch_size=e.batch_size, fields=fields))
   return out

@@ -67,8 +67,8 @@ def extract_gsm8k(text: str) -> str | None:
 
 
 def extract_boxed(text: str) -> str | None:
-  """Contents of the last \\boxed{...} (braces balanced), as math graders read it."""
-  start = text.rfind("\\boxed")
+  """Contents of the last \\boxed{...} or \\fbox{...} (braces balanced), as MATH's graders read it."""
+  start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
   if start < 0:
     return None
   i = text.find("{", start)
@@ -113,17 +113,22 @@ def _check_truth(batch: Batch, name: str) -> None:
                         "'reward_model.ground_truth'), and this record has none")
 
 
-def _answer_reward(name: str, extract: Callable[[str], str | None]) -> RewardFn:
+def _answer_reward(name: str, extract: Callable[[str], str | None], *, reduce_truth: bool) -> RewardFn:
+  """`reduce_truth`: a ground truth that is itself a worked solution (GSM8K's `answer` field, MATH's `solution`) is
+  reduced with the same extractor, so datasets read as-is score their gold solutions 1."""
   def fn(batch: Batch) -> np.ndarray:
     _check_truth(batch, name)
-    return np.array([float(answers_match(extract(c), str(t))) for c, t in zip(batch.completions,
-                                                                               batch.ground_truths)], np.float32)
+    truths = [str(t) for t in batch.ground_truths]
+    if reduce_truth:
+      truths = [extract(t) or t for t in truths]
+    return np.array([float(answers_match(extract(c), t)) for c, t in zip(batch.completions, truths)], np.float32)
   return fn
 
 
-register("gsm8k", verifiable=True)(_answer_reward("gsm8k", extract_gsm8k))
-register("boxed", verifiable=True)(_answer_reward("boxed", extract_boxed))
-register("last_number", verifiable=True)(_answer_reward("last_number", extract_last_number))
+register("gsm8k", verifiable=True)(_answer_reward("gsm8k", extract_gsm8k, reduce_truth=True))
+register("boxed", verifiable=True)(_answer_reward("boxed", extract_boxed, reduce_truth=True))
+# a number-less truth such as "x+1" must not reduce to its last number
+register("last_number", verifiable=True)(_answer_reward("last_number", extract_last_number, reduce_truth=False))
 
 
 @register("exact_match", verifiable=True)

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jalign import sampling
+from jalign.data.layouts import NAMES
 from jalign.rl.rewards import Batch, RewardSpec
 from jalign.tokenizer import Tokenizer
 
@@ -40,7 +41,9 @@ def encode_prompt(record: Any, tok: Tokenizer, *, index: int, where: str, max_le
   """`prompt` as a string (one user turn) or a message list (verl's layout), rendered with the chat template and
   its generation prompt (plain encoding when the tokenizer has no template)."""
   if not isinstance(record, dict) or "prompt" not in record:
-    raise PromptError(f"{where}: record has no 'prompt' field")
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise PromptError(f"{where}: record has no 'prompt' field (it has {keys}); name the prompt's field with "
+                      "data.prompt_key, or a layout with data.layout (accepted: " + ", ".join(NAMES) + ")")
   prompt = record["prompt"]
   if isinstance(prompt, str):
     if not prompt.strip():

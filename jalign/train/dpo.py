@@ -166,7 +166,7 @@ class DpoTask(PreferenceTask):
     self._metric = next((n for n, _ in reward_spec(self.cfg).weights if n in NEEDS_GROUND_TRUTH), None)
     if not p.eval_prompts or not self._metric:
       return []
-    source = open_source(p.eval_prompts)
+    source = open_source(p.eval_prompts, self.cfg.data.fields())
     max_prompt = setup.model_cfg.max_position_embeddings - p.eval_max_new_tokens
     return [encode_prompt(source[i], setup.tok, index=i, where=source.where(i), max_length=max_prompt)
             for i in range(min(len(source), p.eval_examples))]

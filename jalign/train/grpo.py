@@ -140,10 +140,10 @@ def run(cfg: RunConfig) -> dict:
   max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
   encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
   offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
-  source = open_source(g.prompts) if offline is None else offline
+  source = open_source(g.prompts, cfg.data.fields()) if offline is None else offline
   eval_prompts = []
   if g.eval_prompts and metric:
-    eval_source = open_source(g.eval_prompts)
+    eval_source = open_source(g.eval_prompts, cfg.data.fields())
     eval_prompts = [encode(eval_source[i], index=i, where=eval_source.where(i))
                     for i in range(min(len(eval_source), g.eval_examples))]
 

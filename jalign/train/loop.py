@@ -73,7 +73,7 @@ class Task:
     raise NotImplementedError
 
   def open_source(self, spec: str, *, train: bool):
-    return open_source(spec)
+    return open_source(spec, self.cfg.data.fields())
 
   def start(self, setup: Setup) -> None:
     """Called once after the model is built and before any checkpoint is restored (the initial policy)."""

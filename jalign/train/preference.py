@@ -46,7 +46,7 @@ class PreferenceTask(loop.Task):
   def checked_source(self, spec: str):
     """The source of `spec`, opened and checked once (see `check`), then wrapped (see `wrap_source`)."""
     if spec not in self._sources:
-      source = open_source(spec)
+      source = open_source(spec, self.cfg.data.fields())
       self.check(spec, source)
       self._sources[spec] = self.wrap_source(spec, source)
     return self._sources[spec]

@@ -31,7 +31,7 @@ def run(cfg: RunConfig) -> dict:
   if cfg.reward.model:
     from jalign.rl.model_reward import ModelReward
     model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
-  source = open_source(cfg.rollout.prompts)
+  source = open_source(cfg.rollout.prompts, cfg.data.fields())
   total = min(len(source), cfg.rollout.limit) if cfg.rollout.limit else len(source)
   if total == 0:
     raise PromptError(f"{cfg.rollout.prompts}: no prompts")

@@ -22,7 +22,7 @@ class SftTask(loop.Task):
     cfg = self.cfg
     if not cfg.data.eval or not cfg.train.eval_examples:
       return {}
-    source = open_source(cfg.data.eval)
+    source = open_source(cfg.data.eval, cfg.data.fields())
     examples = []
     for i in range(min(len(source), cfg.train.eval_examples)):
       try:
