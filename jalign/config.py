@@ -217,6 +217,10 @@ class GrpoSection:
   max_kl_action: Literal["stop", "lower_lr"] = "stop"   # past max_kl: checkpoint and stop, or lower the lr
   kl_lr_factor: float = 0.5            # lower_lr: multiply the learning rate by this at each breach
   entropy_floor: float = 0.01          # warn (monitor/entropy_collapse) below this mean token entropy; 0 = off
+  # a step whose advantages are all 0 (every group's rewards equal) carries no signal: "skip" leaves its update out
+  # (the KL / entropy terms alone would only pull the policy toward the reference), "update" runs it as peers do
+  no_signal: Literal["skip", "update"] = "skip"
+  no_signal_warn_steps: int = 5        # warn once when the run's first N steps all carried no signal; 0 = off
   # Offline: truncated importance sampling (TIS; Yao et al. 2025, verl actor.tis_imp_ratio_cap). > 0: the clipped
   # ratio is taken against the policy as it was before the step's update, and each token's loss is weighted by
   # min(pi_old / pi_behaviour, cap), the stored behaviour log-probs correcting for the data's staleness. 0 = off:

@@ -27,7 +27,7 @@ from jalign.data.sources import open_source
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, Batch
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, Batch, RewardSpec
 from jalign.rl import buffer as buffer_lib
 from jalign.rl.monitors import Monitors
 from jalign.rl.rollout import Prompt, encode_prompt, left_pad
@@ -233,7 +233,7 @@ def run(cfg: RunConfig) -> dict:
     writer.print(f"resumed from {ckpt.directory}/{latest}")
   key = jax.random.key(cfg.seed)
   policy = lambda st: nnx.merge(graphdef, full(st.params))
-  monitors = Monitors(entropy_floor=g.entropy_floor)
+  monitors = Monitors(entropy_floor=g.entropy_floor, no_signal_warn_steps=g.no_signal_warn_steps)
 
   def collect(indices, gen_key) -> Groups:
     """One prompt batch's groups: sampled and scored online, or read from the replay buffer offline."""
@@ -331,6 +331,8 @@ def run(cfg: RunConfig) -> dict:
       adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef, trained.baselines)
       if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
         extra_cols["response_mask"] = response_mask * informative[:, None]
+      no_signal = not np.any((adv != 0) & (extra_cols.get("response_mask", response_mask) > 0))
+      skip_update = no_signal and g.no_signal == "skip" and critic is None  # a critic still learns the returns
       device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, batch_sharding))
       if kl_to_ref is not None:
         kl_to_ref = float(report_kl(*kl_to_ref, device_batch["response_mask"]))
@@ -340,7 +342,7 @@ def run(cfg: RunConfig) -> dict:
       t1 = time.perf_counter()
       sums: dict[str, float] = {}
       order_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
-      for epoch in range(g.ppo_epochs):
+      for epoch in range(0 if skip_update else g.ppo_epochs):
         for chunk in minibatches(jax.random.fold_in(order_key, epoch), len(response), g.mini_batches, group_size):
           mb = device_batch if g.mini_batches == 1 else take_rows(device_batch,
                                                                    jax.device_put(np.asarray(chunk, np.int32), rep))
@@ -355,6 +357,10 @@ def run(cfg: RunConfig) -> dict:
       metrics = {k.replace("train/loss", "actor/loss"): v if k.endswith("skipped_nonfinite") else v / n_updates
                  for k, v in sums.items()}
       metrics.update(adv_metrics)
+      metrics["actor/no_signal"] = float(no_signal)
+      if no_signal and logs:
+        writer.print(f"step {step + 1}: no signal this step ({int(signal.sum())} of {len(signal)} groups have "
+                     "rewards that differ; every advantage is 0)" + ("; update skipped" if skip_update else ""))
       if kl_to_ref is not None:
         metrics["actor/kl_loss"] = kl_to_ref
       if metrics.get("train/nonfinite", 0.0) > 0 or metrics.get("critic/nonfinite", 0.0) > 0:
@@ -371,7 +377,7 @@ def run(cfg: RunConfig) -> dict:
       metrics.update({**sampled_metrics, "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
                       "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": len(batches),
                       "actor/update_groups": len(prompts)})
-      signals, warnings = monitors.after_step(step + 1, metrics)
+      signals, warnings = monitors.after_step(step + 1, metrics, _example(trained, tok, rewards) if no_signal else "")
       metrics.update(signals)
       for line in warnings:
         writer.print(f"warning: {line}")
@@ -418,6 +424,15 @@ def run(cfg: RunConfig) -> dict:
       models.save_pretrained(policy(state), os.path.join(cfg.run_dir, "hf"), tokenizer=tok)
   writer.close()
   return final
+
+
+def _example(groups: Groups, tok, rewards: RewardSpec) -> str:
+  """The rewards and the first scored completion of `groups`, for messages about the reward."""
+  p = groups.prompts[0]
+  text = tok.decode(groups.response[0, :groups.lengths[0]])
+  names = ", ".join(f"{name} x {w:g}" for name, w in rewards.weights)
+  return (f"Rewards: {names}. For example {p.where} (ground truth {p.ground_truth!r}) scored "
+          f"{float(groups.scores[0]):g} for the completion {text[:160]!r}.")
 
 
 def _advantages(g, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic: Critic | None,

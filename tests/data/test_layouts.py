@@ -179,3 +179,24 @@ def test_llama_factory_demo_sets():
   rec = {"messages": kto[0]["prompt"] + kto[0]["completion"]}
   out = sft.encode(rec, tok, max_length=8192)
   assert 0 < out["loss_mask"].sum() < len(out["tokens"])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma3"])
+def test_chat_ids_equal_transformers_on_gsm8k_and_hh_conversations(name):
+  """Real tokenizers and their real templates, on the mapped records of real datasets (the HF-format tokenizers of
+  ../shared/realdata; the Mistral and Llama 2 ones are SentencePiece models without a tokenizer.json)."""
+  import transformers
+  from jalign.tokenizer import load
+  directory = realdata.path(f"tokenizers/{name}")
+  ours, theirs = load(directory), transformers.AutoTokenizer.from_pretrained(directory)
+  gsm8k = open_source(realdata.path("gsm8k/train.jsonl"))
+  hh = open_source(realdata.path("hh-rlhf/helpful-base_test.jsonl.gz"))
+  conversations = [(gsm8k[i]["prompt"], True) for i in range(0, 7000, 700)]
+  conversations += [(gsm8k[i]["prompt"] + gsm8k[i]["completion"], False) for i in range(0, 7000, 700)]
+  conversations += [(hh[i]["prompt"] + hh[i]["chosen"], False) for i in range(0, 2300, 230)]
+  conversations += [(hh[i]["prompt"], True) for i in range(0, 2300, 230)]
+  assert any(len(m) > 3 for m, _ in conversations)   # multi-turn HH transcripts among them
+  for messages, gen in conversations:
+    want = theirs.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert ours.apply_chat_template(messages, add_generation_prompt=gen) == list(want), (name, messages[-1])

@@ -344,3 +344,33 @@ def test_minibatches_partition_rows_and_keep_groups_whole(group_size):
       assert (blocks % group_size == np.arange(group_size)).all()
       assert (blocks // group_size == blocks[:, :1] // group_size).all()
   np.testing.assert_array_equal(minibatches(jax.random.key(3), 32, 1, group_size)[0], np.arange(32))
+
+
+@pytest.mark.parametrize("mode", ["skip", "update"])
+def test_a_reward_without_signal_is_reported_not_trained_on(tmp_path, capsys, mode):
+  """exact_match compares the whole completion ('#### 5') with the bare truth ('5'): 0 for every completion, so no
+  group carries signal. The run says so, names the reward and a record, and raises no entropy alarm; under 'skip'
+  the policy is left as it was."""
+  from flax import nnx
+  from jalign import models
+  run_dir = tmp_path / "r"
+  final = grpo_train.run(run_config("grpo", run_dir=str(run_dir), reward__weights=(("exact_match", 1.0),),
+                              grpo__no_signal=mode, grpo__no_signal_warn_steps=2, grpo__entropy_floor=10.0,
+                              train__steps=3, train__log_every=1, log__progress=False, log__tensorboard=False))
+  out = capsys.readouterr().out
+  rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
+  steps = [r for r in rows if "actor/no_signal" in r]
+  assert [r["actor/no_signal"] for r in steps] == [1.0, 1.0, 1.0]
+  assert [r["monitor/no_signal_steps"] for r in steps] == [1.0, 2.0, 3.0]
+  assert not any("monitor/entropy_collapse" in r for r in rows) and "entropy collapse" not in out
+  assert out.count("none of the first 2 steps carried any signal") == 1
+  assert "Rewards: exact_match x 1." in out and "synthetic:arith" in out and "(ground truth '" in out
+  assert out.count("no signal this step (0 of 4 groups") == 3
+  assert final["critic/score/mean"] == 0.0
+  shipped = nnx.state(models.from_pretrained(run_config("grpo").model.path, dtype="float32"), nnx.Param)
+  trained = nnx.state(models.from_pretrained(str(run_dir / "hf"), dtype="float32"), nnx.Param)
+  same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(shipped), jax.tree.leaves(trained)))
+  if mode == "skip":
+    assert "update skipped" in out and "actor/pg_loss" not in final and same
+  else:
+    assert "update skipped" not in out and "actor/pg_loss" in final
