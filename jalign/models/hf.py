@@ -21,7 +21,8 @@ from flax import nnx
 
 from jalign.models import lora
 from jalign.models import safetensors_io as st
-from jalign.models.config import ModelConfig, load_hf_config, to_hf_config
+from jalign.models.config import ModelConfig, from_hf_config, load_hf_config, to_hf_config
+from jalign.models.gguf_io import GgufFile
 from jalign.models.decoder import Decoder
 from jalign.models import sharding
 from jalign.models.sharding import DEFAULT_RULES, state_shardings
@@ -151,7 +152,7 @@ def _hf_prefix(names) -> str:
 
 def from_pretrained(path: str, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None, *,
                     rules=DEFAULT_RULES, compute_dtype: str | None = None, **overrides) -> Decoder:
-  """Loads an HF checkpoint directory into a `Decoder`, each parameter placed in its sharded layout on `mesh`
+  """Loads an HF checkpoint directory (or a llama.cpp `.gguf` file, see `gguf_io`) into a `Decoder`, each parameter placed in its sharded layout on `mesh`
   (one device when None). `dtype` is the parameter dtype (default: the checkpoint's); `overrides` set runtime
   fields of `ModelConfig` (scan_layers, remat, ...)."""
   return _load(path, dtype, mesh, rules=rules, compute_dtype=compute_dtype, score=False, **overrides)[0]
@@ -166,11 +167,16 @@ def load_sequence_classifier(path: str, dtype: str | None = None, mesh: jax.shar
 
 
 def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overrides):
-  cfg, _ = load_hf_config(path)
+  if path.endswith(".gguf"):  # llama.cpp: one file, dequantised to float32 tensor by tensor
+    gguf = GgufFile(path)
+    cfg, tensors = from_hf_config(gguf.config, where=path), {name: gguf for name in gguf.keys()}
+  else:
+    cfg, _ = load_hf_config(path)
   dtype = dtype or cfg.param_dtype
   cfg = cfg.replace(param_dtype=dtype, dtype=compute_dtype or dtype, **overrides)
-  _check_tokenizer_vocab(path, cfg)
-  tensors = _open_checkpoint(path)
+  if not path.endswith(".gguf"):
+    _check_tokenizer_vocab(path, cfg)
+    tensors = _open_checkpoint(path)
   prefix = _hf_prefix(tensors)
   lm_head_prefix = prefix[: -len("model.")] if prefix.endswith("model.") else ""
   score_weight = None
