@@ -10,6 +10,7 @@ import bisect
 import glob
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -273,8 +274,51 @@ FORMATS = {".jsonl": JsonlSource, ".json": json_source, ".parquet": ParquetSourc
 def open_source(spec: str, fields: Fields = Fields()) -> Any:
   """`spec`: a file, a glob or a comma-separated list of them (.jsonl, .json, .parquet, .arrayrecord; .jsonl.gz,
   .json.gz); `tfds:NAME[:SPLIT]@DATA_DIR`; or `synthetic:TASK[:SPLIT]` (built-in tasks, see jalign.data.synthetic).
-  Records pass through `fields` (jalign.data.layouts: GSM8K, MATH, HH-RLHF, ... mapped onto TRL's layouts)."""
-  return MappedSource(_open(spec), fields)
+  A trailing `[start:stop]` (records, or percent of them: `[:-400]`, `[90%:]`) takes a contiguous slice, so one file
+  gives a training and a held-out split. Records pass through `fields` (jalign.data.layouts: GSM8K, MATH,
+  HH-RLHF, ... mapped onto TRL's layouts)."""
+  m = _SLICE.match(spec)
+  source = _open(m.group(1) if m else spec)
+  if m:
+    n = len(source)
+    bounds = [_bound(v, n, spec) for v in m.group(2, 3)]
+    source = SliceSource(source, *slice(*bounds).indices(n)[:2])
+    if not len(source):
+      raise DataError(f"data spec {spec!r}: the slice selects none of the {n} records")
+  return MappedSource(source, fields)
+
+
+_SLICE = re.compile(r"^(.*)\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\]$")
+
+
+def _bound(value: str | None, n: int, spec: str) -> int | None:
+  if value is None:
+    return None
+  if value.endswith("%"):
+    pct = int(value[:-1])
+    if not -100 <= pct <= 100:
+      raise DataError(f"data spec {spec!r}: {value} is not a percentage in [-100%, 100%]")
+    return round(n * pct / 100)
+  return int(value)
+
+
+class SliceSource:
+  """Records start .. stop-1 of another source."""
+
+  def __init__(self, source, start: int, stop: int):
+    self.source, self.start, self.stop = source, start, max(start, stop)
+    self.path = getattr(source, "path", "<data>")
+
+  def __len__(self) -> int:
+    return self.stop - self.start
+
+  def where(self, i: int) -> str:
+    return self.source.where(self.start + i)
+
+  def __getitem__(self, i: int) -> dict:
+    if not 0 <= i < len(self):
+      raise IndexError(i)
+    return self.source[self.start + i]
 
 
 def _open(spec: str) -> Any:

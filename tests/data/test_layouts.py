@@ -200,3 +200,17 @@ def test_chat_ids_equal_transformers_on_gsm8k_and_hh_conversations(name):
     want = theirs.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
     assert ours.apply_chat_template(messages, add_generation_prompt=gen) == list(want), (name, messages[-1])
+
+
+def test_a_slice_of_a_spec_gives_train_and_held_out_splits(tmp_path):
+  f = tmp_path / "d.jsonl"
+  f.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(10)))
+  held = open_source(f"{f}[-3:]")
+  assert [held[i]["answer"] for i in range(len(held))] == ["7", "8", "9"] and held.where(0).endswith("d.jsonl:8")
+  train = open_source(f"{f}[:70%]")
+  assert len(train) == 7 and train[6]["answer"] == "6"
+  assert len(open_source(f"{f}[ 2 : 4 ]")) == 2
+  with pytest.raises(DataError, match="selects none of the 10 records"):
+    open_source(f"{f}[5:5]")
+  with pytest.raises(DataError, match="not a percentage"):
+    open_source(f"{f}[:150%]")
