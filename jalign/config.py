@@ -65,9 +65,10 @@ class DataSection:
   prompt_key: str = ""                 # field holding the prompt (verl's data.prompt_key); "" = by layout
   answer_key: str = ""                 # field holding the ground truth, dotted for nested fields (verl's
                                        # "reward_model.ground_truth"); "" = by layout
+  prompt_suffix: str = ""              # appended to every prompt's last user turn (an answer-format instruction)
 
   def fields(self) -> Fields:
-    return Fields(self.layout, self.prompt_key, self.answer_key)
+    return Fields(self.layout, self.prompt_key, self.answer_key, self.prompt_suffix)
 
 
 @dataclasses.dataclass(frozen=True)

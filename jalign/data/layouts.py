@@ -172,6 +172,8 @@ class Fields:
   layout: str = "auto"                 # "auto", "none" (records used as they are) or a name of LAYOUTS
   prompt_key: str = ""                 # field holding the prompt (string or messages); "" = by layout
   answer_key: str = ""                 # field holding the ground truth; "" = by layout
+  prompt_suffix: str = ""              # appended to the prompt (its last user turn): the answer format a verifier
+                                       # reads, as verl's GSM8K / MATH preprocessing appends it
 
   def __post_init__(self):
     if self.layout not in NAMES:
@@ -181,6 +183,10 @@ class Fields:
     """The record in a layout the encoders read; DataError naming the layout and what is missing."""
     if not isinstance(record, dict):
       raise DataError(f"expected a JSON object, found {type(record).__name__}")
+    out = self._mapped(record)
+    return self._suffixed(out) if self.prompt_suffix and "prompt" in out else out
+
+  def _mapped(self, record: dict) -> dict:
     if self.prompt_key or self.answer_key:
       return self._keyed(record)
     if self.layout == "none":
@@ -193,6 +199,16 @@ class Fields:
     if missing:
       raise DataError(f"data layout {self.layout!r} needs field(s) {missing}; this record has {sorted(record)}")
     return lay.convert(record)
+
+  def _suffixed(self, record: dict) -> dict:
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+      return {**record, "prompt": prompt + self.prompt_suffix}
+    last = max((i for i, m in enumerate(prompt) if isinstance(m, dict) and m.get("role") == "user"), default=None)
+    if last is None:
+      raise DataError("data.prompt_suffix: the prompt has no user turn to append it to")
+    turn = {**prompt[last], "content": prompt[last]["content"] + self.prompt_suffix}
+    return {**record, "prompt": prompt[:last] + [turn] + prompt[last + 1:]}
 
   def _keyed(self, record: dict) -> dict:
     out = dict(record)

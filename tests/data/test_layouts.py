@@ -214,3 +214,12 @@ def test_a_slice_of_a_spec_gives_train_and_held_out_splits(tmp_path):
     open_source(f"{f}[5:5]")
   with pytest.raises(DataError, match="not a percentage"):
     open_source(f"{f}[:150%]")
+
+
+def test_prompt_suffix_goes_on_the_last_user_turn():
+  suffix = ' Output the final answer after "####".'
+  out = Fields(prompt_suffix=suffix)(GSM8K)
+  assert out["prompt"] == [{"role": "user", "content": GSM8K["question"] + suffix}]
+  assert Fields(prompt_suffix="!")({"prompt": "q", "answer": "1"})["prompt"] == "q!"
+  assert Fields(prompt_suffix="!")(HH)["prompt"][-1]["content"] == "Name a fruit.!"
+  assert "prompt" not in Fields(prompt_suffix="!")({"messages": [{"role": "user", "content": "q"}]})

@@ -1,0 +1,38 @@
+"""DPO of any HF (or GGUF) chat model on Anthropic HH-RLHF as it comes (chosen / rejected transcripts split into
+messages and a shared prompt).
+
+    python -m jalign.run --config=configs/recipes/hh_dpo.py --config.model.path=MODEL \\
+        --config.data.train='hh-rlhf/helpful-base_test.jsonl.gz[:-400]' \\
+        --config.data.eval='hh-rlhf/helpful-base_test.jsonl.gz[-400:]'
+    ... :smoke                          # CI-sized
+
+The sigmoid loss at beta 0.1 (Rafailov et al. 2023), lr 5e-7 as Zephyr's DPO stage; held-out `rewards/accuracies`
+(chosen's implicit reward above rejected's) on the eval pairs. Pairs longer than data.max_length are dropped.
+"""
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.task = "dpo"
+  c.run_dir = "runs/hh_dpo"
+  c.tokenizer = ""
+  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="none"))
+  c.data = ml_collections.ConfigDict(dict(train="", eval="", max_length=512, truncation="drop", packing=False,
+                                          pair_checks="warn", max_length_ratio=3.0, skip_bad_records=True))
+  c.train = ml_collections.ConfigDict(dict(steps=240, batch_size=8, seq_len=512, log_every=10, eval_every=60,
+                                           eval_batches=50, eval_examples=0))
+  c.optim = ml_collections.ConfigDict(dict(lr=5e-7, schedule="linear", warmup_steps=24, weight_decay=0.0))
+  c.dpo = ml_collections.ConfigDict(dict(loss_type="sigmoid", beta=0.1, eval_prompts=""))
+  c.reward = ml_collections.ConfigDict(dict(weights=()))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=60, keep=1))
+  c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
+  if arg == "smoke":
+    c.run_dir = "runs/hh_dpo_smoke"
+    c.data.update(max_length=192, check_records=64)
+    c.train.update(steps=2, seq_len=192, log_every=1, eval_every=0, eval_batches=1)
+    c.optim.warmup_steps = 1
+    c.checkpoint.every = 0
+  elif arg:
+    raise ValueError(f"configs/recipes/hh_dpo.py: unknown arg {arg!r}; accepted: 'smoke' or none")
+  return c

@@ -1,0 +1,36 @@
+"""A Bradley-Terry reward model from any HF (or GGUF) model on Anthropic HH-RLHF as it comes (chosen / rejected
+transcripts "\\n\\nHuman: ...\\n\\nAssistant: ...", split into messages and a shared prompt).
+
+    python -m jalign.run --config=configs/recipes/hh_rm.py --config.model.path=MODEL \\
+        --config.data.train='hh-rlhf/helpful-base_test.jsonl.gz[:-400]' \\
+        --config.data.eval='hh-rlhf/helpful-base_test.jsonl.gz[-400:]'
+    ... :smoke                          # CI-sized
+
+One epoch at lr 1e-5 with a linear head on the last token, as TRL's RewardTrainer defaults; the held-out pairwise
+accuracy is `eval/accuracy`. Pairs longer than data.max_length are dropped, not cut.
+"""
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.task = "rm"
+  c.run_dir = "runs/hh_rm"
+  c.tokenizer = ""
+  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="none"))
+  c.data = ml_collections.ConfigDict(dict(train="", eval="", max_length=512, truncation="drop", packing=False,
+                                          pair_checks="warn", max_length_ratio=3.0, skip_bad_records=True))
+  c.train = ml_collections.ConfigDict(dict(steps=240, batch_size=8, seq_len=512, log_every=10, eval_every=60,
+                                           eval_batches=50, eval_examples=0))
+  c.optim = ml_collections.ConfigDict(dict(lr=1e-5, schedule="linear", warmup_steps=0, weight_decay=0.0))
+  c.rm = ml_collections.ConfigDict(dict(head="linear", center_rewards_coefficient=0.0, members=()))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=60, keep=1))
+  c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
+  if arg == "smoke":
+    c.run_dir = "runs/hh_rm_smoke"
+    c.data.update(max_length=192, check_records=64)
+    c.train.update(steps=2, seq_len=192, log_every=1, eval_every=0, eval_batches=1)
+    c.checkpoint.every = 0
+  elif arg:
+    raise ValueError(f"configs/recipes/hh_rm.py: unknown arg {arg!r}; accepted: 'smoke' or none")
+  return c
