@@ -30,7 +30,7 @@ def get_config(arg=None):
   c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0))
   c.grpo = ml_collections.ConfigDict(dict(
       prompts="", eval_prompts="", eval_examples=200, prompts_per_step=16, mini_batches=4, adv_estimator="grpo",
-      agg="token-mean", kl_coef=0.001, clip_high=0.2, dynamic_sampling=False, max_gen_batches=1))
+      agg="token-mean", kl_coef=0.001, clip_high=0.2, dynamic_sampling=False, max_gen_batches=1, no_signal="skip"))
   c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=1))
   c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
   if variant == "drgrpo":

@@ -17,7 +17,7 @@ def get_config(arg=None):
   c.task = "sft"
   c.run_dir = "runs/gsm8k_sft"
   c.tokenizer = ""                     # "" = the model directory's
-  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="none"))
+  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="full"))
   c.data = ml_collections.ConfigDict(dict(train="", eval="", max_length=512, packing=True, truncation="drop",
                                           prompt_suffix=INSTRUCTION))
   c.train = ml_collections.ConfigDict(dict(steps=500, batch_size=8, seq_len=1024, log_every=10, eval_every=100,

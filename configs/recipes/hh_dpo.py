@@ -17,7 +17,7 @@ def get_config(arg=None):
   c.task = "dpo"
   c.run_dir = "runs/hh_dpo"
   c.tokenizer = ""
-  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="none"))
+  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="full"))
   c.data = ml_collections.ConfigDict(dict(train="", eval="", max_length=512, truncation="drop", packing=False,
                                           pair_checks="warn", max_length_ratio=3.0, skip_bad_records=True))
   c.train = ml_collections.ConfigDict(dict(steps=240, batch_size=8, seq_len=512, log_every=10, eval_every=60,

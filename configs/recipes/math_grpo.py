@@ -27,7 +27,7 @@ def get_config(arg=None):
   c.reward = ml_collections.ConfigDict(dict(weights=(("boxed", 1.0),)))
   c.grpo = ml_collections.ConfigDict(dict(
       prompts="", eval_prompts="", eval_examples=200, prompts_per_step=16, mini_batches=4, adv_estimator="drgrpo",
-      agg="seq-mean-token-sum-norm", kl_coef=0.0, clip_high=0.2))
+      agg="seq-mean-token-sum-norm", kl_coef=0.0, clip_high=0.2, no_signal="skip"))
   c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=1))
   c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
   if arg == "smoke":
