@@ -61,6 +61,9 @@ class Task:
 
   batch_fn: Callable[[list[dict]], dict] | None = None   # examples -> batch; None = packing / buckets
 
+  def __init__(self, cfg: RunConfig):
+    self.cfg = cfg
+
   def load_model(self, cfg: RunConfig, mesh) -> nnx.Module:
     """The module whose parameters train; it has `.cfg` (the backbone's ModelConfig)."""
     return load_model(cfg, mesh)
@@ -117,7 +120,7 @@ def load_model(cfg: RunConfig, mesh) -> models.Decoder:
 def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   mesh = parallel.mesh_from_config(cfg.mesh.shape)
   tok = tokenizer_lib.load(cfg.tokenizer or cfg.model.path)
-  lm = (task or Task()).load_model(cfg, mesh)
+  lm = (task or Task(cfg)).load_model(cfg, mesh)
   if cfg.model.lora.rank:
     lora.add_adapters(getattr(lm, "backbone", lm), cfg.model.lora, seed=cfg.seed)
   if tok.vocab_size > lm.cfg.vocab_size:
@@ -141,7 +144,7 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
 
 
 def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, task: Task | None = None):
-  task = task or Task()
+  task = task or Task(cfg)
   source = task.open_source(spec, train=train)
   rows = cfg.train.batch_size // jax.process_count()
   pspec = pipeline.PipelineSpec(batch_size=rows, seq_len=cfg.train.seq_len, packing=cfg.data.packing,

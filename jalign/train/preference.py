@@ -20,7 +20,7 @@ from jalign.train import loop
 
 class PreferenceTask(loop.Task):
   def __init__(self, cfg: RunConfig):
-    self.cfg = cfg
+    super().__init__(cfg)
     self.buckets = tuple(sorted(cfg.data.buckets)) or (cfg.train.seq_len,)
     self.batch_fn = preference.pair_batch(self.buckets)
     self.stats: dict[str, preference.PairStats] = {}

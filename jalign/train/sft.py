@@ -9,9 +9,6 @@ from jalign.train import loop
 
 
 class SftTask(loop.Task):
-  def __init__(self, cfg: RunConfig):
-    self.cfg = cfg
-
   def make_loss_fn(self, graphdef):
     return sft.make_loss_fn(graphdef, logprobs=self.cfg.logprobs.options())
 
