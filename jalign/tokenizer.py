@@ -1,4 +1,5 @@
-"""Hugging Face tokenizers (`tokenizer.json` + `tokenizer_config.json`) and chat templates.
+"""Hugging Face tokenizers (`tokenizer.json` + `tokenizer_config.json`, or a SentencePiece `tokenizer.model`) and chat
+templates.
 
 Templates render in a sandboxed jinja2 environment set up as transformers sets it up (trim_blocks, lstrip_blocks,
 loop controls, a `tojson` that does not HTML-escape, `raise_exception`, `strftime_now`, the named special tokens as
@@ -17,8 +18,10 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from jalign import spm
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
          "chat_template.json")
 
 
@@ -158,16 +161,28 @@ class Tokenizer:
 
 
 def load(path: str) -> Tokenizer:
-  """Loads a tokenizer directory as transformers writes it."""
+  """Loads a tokenizer directory as transformers writes it: `tokenizer.json`, else a SentencePiece `tokenizer.model`
+  (its special tokens from the model file unless tokenizer_config.json names them); a chat template from
+  tokenizer_config.json, chat_template.jinja or chat_template.json."""
   tok_file = os.path.join(path, "tokenizer.json")
-  if not os.path.isfile(tok_file):
-    raise TokenizerError(f"{path}: no tokenizer.json (only fast tokenizers in the `tokenizers` format are read)")
-  try:
-    tk = _HFTokenizer.from_file(tok_file)
-  except Exception as e:  # the Rust library raises a plain Exception with its parse error
-    raise TokenizerError(f"{tok_file}: cannot be read by the tokenizers library: {e}") from None
+  spm_file = os.path.join(path, "tokenizer.model")
+  config = {}
+  if os.path.isfile(tok_file):
+    try:
+      tk = _HFTokenizer.from_file(tok_file)
+    except Exception as e:  # the Rust library raises a plain Exception with its parse error
+      raise TokenizerError(f"{tok_file}: cannot be read by the tokenizers library: {e}") from None
+  elif os.path.isfile(spm_file):
+    try:
+      tk, config = spm.load(spm_file)
+    except spm.SpmError as e:
+      raise TokenizerError(str(e)) from None
+  else:
+    raise TokenizerError(f"{path}: neither tokenizer.json (a fast tokenizer in the `tokenizers` format) nor "
+                         "tokenizer.model (SentencePiece)")
   cfg_file = os.path.join(path, "tokenizer_config.json")
-  config = _read_json(cfg_file) if os.path.isfile(cfg_file) else {}
+  if os.path.isfile(cfg_file):
+    config = {**config, **_read_json(cfg_file)}
   stm = os.path.join(path, "special_tokens_map.json")
   if os.path.isfile(stm):
     config = {**_read_json(stm), **config}

@@ -168,7 +168,7 @@ def test_template_raise_exception_is_reported(hf_tokenizer_dirs):
 
 
 def test_bad_tokenizer_files(tmp_path, hf_tokenizer_dirs):
-  with pytest.raises(jtok.TokenizerError, match="no tokenizer.json"):
+  with pytest.raises(jtok.TokenizerError, match="neither tokenizer.json"):
     jtok.load(str(tmp_path))
   (tmp_path / "tokenizer.json").write_text("{not json")
   with pytest.raises(jtok.TokenizerError, match="tokenizer.json: cannot be read"):
@@ -180,4 +180,72 @@ def test_bad_tokenizer_files(tmp_path, hf_tokenizer_dirs):
     jtok.load(str(tmp_path))
   (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<not-a-token>"}')
   with pytest.raises(jtok.TokenizerError, match="eos_token '<not-a-token>' is not in the vocabulary"):
+    jtok.load(str(tmp_path))
+
+
+# SentencePiece models (jalign.spm) against the sentencepiece library itself -----------------------------------------
+
+SPM_MODELS = ["tokenizers/llama2/tokenizer.model", "tokenizers/mistral/tokenizer.model.v1",
+              "tokenizers/mistral/mistral_instruct_tokenizer_240216.model.v2",
+              "tokenizers/mistral/mistral_instruct_tokenizer_240323.model.v3",
+              "tokenizers/mistral/mistral_instruct_tokenizer_241114.model.v7"]
+ODD_TEXTS = ["", " ", "  two  spaces ", "trailing\n\n", "tabs\t\tand\r\nreturns", "Ünïcödé ＡＢＣ ① 漢字 🙂",
+             "3rd 12,345.50 0x1F", "\u200b zero width"]
+
+
+def _real_texts():
+  import gzip
+  from tests import realdata
+  with open(realdata.path("gsm8k/train.jsonl")) as f:
+    gsm8k = [json.loads(line) for line, _ in zip(f, range(200))]
+  with gzip.open(realdata.path("hh-rlhf/helpful-base_test.jsonl.gz"), "rt") as f:
+    hh = [json.loads(line) for line, _ in zip(f, range(200))]
+  return [r["question"] + "\n" + r["answer"] for r in gsm8k] + [r["chosen"] for r in hh] + ODD_TEXTS
+
+
+@pytest.mark.parametrize("model", SPM_MODELS)
+def test_sentencepiece_models_encode_and_decode_as_sentencepiece(model, tmp_path):
+  sentencepiece = pytest.importorskip("sentencepiece")
+  from tests import realdata
+  path = realdata.path(model)
+  (tmp_path / "tokenizer.model").write_bytes(open(path, "rb").read())
+  ours, sp = jtok.load(str(tmp_path)), sentencepiece.SentencePieceProcessor(model_file=path)
+  assert ours.vocab_size == sp.vocab_size()
+  assert (ours.bos_id, ours.eos_id, ours.pad_id) == (sp.bos_id(), sp.eos_id(), sp.eos_id())  # no pad: eos
+  for text in _real_texts():
+    ids = ours.encode(text)   # nothing added around a bare model's encoding, as sentencepiece
+    assert ids == sp.encode(text), text[:60]
+    assert ours.decode(ids) == sp.decode(ids), text[:60]
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_trained_sentencepiece_models_equal_the_library(model_type):
+  """Models trained here cover what the real ones do not: Unigram, the nmt_nfkc character map, extra-space removal;
+  with byte fallback and digit splitting on and off. The parsed fields equal the library's own protobuf classes."""
+  import io
+  sentencepiece = pytest.importorskip("sentencepiece")
+  from sentencepiece import sentencepiece_model_pb2
+  from jalign import spm
+  corpus = [f"Item {i}: {w} costs ${i * 3}.{i % 10}0, twice as much as {w}s did ({i}%)." for i in range(300)
+            for w in ("apple", "pear", "Ünïcödé")]
+  for extra in ({}, dict(byte_fallback=True, split_digits=True)):
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=out, vocab_size=300,
+                                             model_type=model_type, minloglevel=2, **extra)
+    sp = sentencepiece.SentencePieceProcessor(model_proto=out.getvalue())
+    proto = sentencepiece_model_pb2.ModelProto.FromString(out.getvalue())
+    parsed = spm.parse(out.getvalue())
+    assert parsed.pieces == [(p.piece, pytest.approx(p.score), p.type) for p in proto.pieces]
+    assert (parsed.model_type, parsed.byte_fallback, parsed.split_digits) == (
+        proto.trainer_spec.model_type, proto.trainer_spec.byte_fallback, proto.trainer_spec.split_digits)
+    assert parsed.charsmap == proto.normalizer_spec.precompiled_charsmap and parsed.charsmap  # nmt_nfkc
+    tk, config = spm.to_tokenizer(parsed, "trained")
+    assert config == {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    for text in corpus[::37] + ODD_TEXTS + ["never seen: zebra quartz 987654 ÆØÅ"]:
+      assert tk.encode(text, add_special_tokens=False).ids == sp.encode(text), (extra, text)
+
+
+def test_bad_sentencepiece_file_is_named(tmp_path):
+  (tmp_path / "tokenizer.model").write_bytes(b"\x0a\xff\xff\xff\x0f")
+  with pytest.raises(jtok.TokenizerError, match="tokenizer.model: not a SentencePiece model"):
     jtok.load(str(tmp_path))

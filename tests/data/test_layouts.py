@@ -2,6 +2,7 @@
 LLaMA-Factory records mapped onto TRL's layouts; real files from ../shared/realdata where present."""
 import gzip
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -181,13 +182,31 @@ def test_llama_factory_demo_sets():
   assert 0 < out["loss_mask"].sum() < len(out["tokens"])
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma3"])
-def test_chat_ids_equal_transformers_on_gsm8k_and_hh_conversations(name):
-  """Real tokenizers and their real templates, on the mapped records of real datasets (the HF-format tokenizers of
-  ../shared/realdata; the Mistral and Llama 2 ones are SentencePiece models without a tokenizer.json)."""
+# SentencePiece models beside a chat template of the same version (Mistral's HF templates for its .model files).
+SPM_TEMPLATES = {"mistral_v1": ("tokenizers/mistral/tokenizer.model.v1", "tokenizers/mistral/chat_template_v1_spm.jinja"),
+                 "mistral_v3": ("tokenizers/mistral/mistral_instruct_tokenizer_240323.model.v3",
+                                "tokenizers/mistral/chat_template_v3_spm.jinja"),
+                 "mistral_v7": ("tokenizers/mistral/mistral_instruct_tokenizer_241114.model.v7",
+                                "tokenizers/mistral/chat_template_v7_spm.jinja")}
+
+
+def _tokenizer_dir(name, tmp_path):
+  if name not in SPM_TEMPLATES:
+    return realdata.path(f"tokenizers/{name}")
+  model, template = SPM_TEMPLATES[name]
+  shutil.copyfile(realdata.path(model), tmp_path / "tokenizer.model")
+  shutil.copyfile(realdata.path(template), tmp_path / "chat_template.jinja")
+  return str(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma3", *SPM_TEMPLATES])
+def test_chat_ids_equal_transformers_on_gsm8k_and_hh_conversations(name, tmp_path):
+  """Real tokenizers and their real templates, on the mapped records of real datasets: the HF-format tokenizers of
+  ../shared/realdata, and its Mistral SentencePiece models with their templates (transformers converts the .model
+  itself, jalign.spm independently). Llama 2's model has no template: tests/test_tokenizer.py checks its ids."""
   import transformers
   from jalign.tokenizer import load
-  directory = realdata.path(f"tokenizers/{name}")
+  directory = _tokenizer_dir(name, tmp_path)
   ours, theirs = load(directory), transformers.AutoTokenizer.from_pretrained(directory)
   gsm8k = open_source(realdata.path("gsm8k/train.jsonl"))
   hh = open_source(realdata.path("hh-rlhf/helpful-base_test.jsonl.gz"))
