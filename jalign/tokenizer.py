@@ -1,5 +1,5 @@
-"""Hugging Face tokenizers (`tokenizer.json` + `tokenizer_config.json`, or a SentencePiece `tokenizer.model`) and chat
-templates.
+"""Hugging Face tokenizers (`tokenizer.json` + `tokenizer_config.json`, or a SentencePiece `tokenizer.model`), the
+tokenizer inside a llama.cpp `.gguf` file, and chat templates.
 
 Templates render in a sandboxed jinja2 environment set up as transformers sets it up (trim_blocks, lstrip_blocks,
 loop controls, a `tojson` that does not HTML-escape, `raise_exception`, `strftime_now`, the named special tokens as
@@ -18,7 +18,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from jalign import spm
+from jalign import gguf_tokenizer, spm
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -151,8 +151,14 @@ class Tokenizer:
 
   # Files -------------------------------------------------------------------------------------------------------
   def save(self, out_dir: str) -> None:
-    """Copies the files this tokenizer was loaded from (byte for byte) into `out_dir`."""
+    """Copies the files this tokenizer was loaded from (byte for byte) into `out_dir`; one read from a .gguf is
+    written as tokenizer.json + tokenizer_config.json."""
     os.makedirs(out_dir, exist_ok=True)
+    if os.path.isfile(self.source):
+      config = dict(self.config)
+      _write(os.path.join(out_dir, "tokenizer.json"), self.tk.to_str())
+      _write(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=2, ensure_ascii=False))
+      return
     for name in FILES:
       src = os.path.join(self.source, name)
       if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
@@ -160,10 +166,22 @@ class Tokenizer:
         os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
 
 
+def _write(path: str, text: str) -> None:
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+
+
 def load(path: str) -> Tokenizer:
   """Loads a tokenizer directory as transformers writes it: `tokenizer.json`, else a SentencePiece `tokenizer.model`
   (its special tokens from the model file unless tokenizer_config.json names them); a chat template from
-  tokenizer_config.json, chat_template.jinja or chat_template.json."""
+  tokenizer_config.json, chat_template.jinja or chat_template.json. A `.gguf` file: the tokenizer it holds."""
+  if path.endswith(".gguf") and os.path.isfile(path):
+    try:
+      tk, config = gguf_tokenizer.load(path)
+    except (gguf_tokenizer.GgufTokenizerError, spm.SpmError) as e:
+      raise TokenizerError(str(e)) from None
+    return Tokenizer(tk, config, config.get("chat_template"), source=path, files={"chat_template": path})
   tok_file = os.path.join(path, "tokenizer.json")
   spm_file = os.path.join(path, "tokenizer.model")
   config = {}

@@ -69,3 +69,107 @@ def test_bad_gguf_files_are_named(tmp_path):
   writer.close()
   with pytest.raises(CheckpointError, match="GGUF architecture 'phi2' is not supported; supported: llama, qwen2"):
     models.from_pretrained(str(tmp_path / "phi.gguf"))
+
+
+# The tokenizer a .gguf holds (jalign.gguf_tokenizer) -----------------------------------------------------------------
+
+def _conversations():
+  gsm8k = open_source(realdata.path("gsm8k/train.jsonl"))
+  hh = open_source(realdata.path("hh-rlhf/helpful-base_test.jsonl.gz"))
+  out = [(gsm8k[i]["prompt"], True) for i in range(0, 7000, 140)]
+  out += [(gsm8k[i]["prompt"] + gsm8k[i]["completion"], False) for i in range(0, 7000, 140)]
+  return out + [(hh[i]["prompt"] + hh[i]["chosen"], False) for i in range(0, 2300, 46)]
+
+
+def test_smollm2_gguf_tokenizer_equals_transformers(tmp_path):
+  """The SmolLM2 file's own tokenizer against transformers' GGUF tokenizer import. One documented difference: the
+  file names its pre-tokenizer "smollm" (digits split one by one before GPT-2's regex, as SmolLM2's tokenizer.json
+  does); transformers' GGUF converter applies GGUF's plain GPT-2 regex, so a run of spaces before a digit splits
+  differently there: such texts are checked against the rule itself."""
+  import re
+
+  import transformers
+  gguf = realdata.path(realdata.SMOLLM2_GGUF)
+  ours = tokenizer.load(gguf)
+  theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+  assert (ours.vocab_size, ours.bos_id, ours.eos_id, ours.pad_id) == (
+      len(theirs), theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+  checked = 0
+  for messages, gen in _conversations():
+    text = ours.render_chat(messages, add_generation_prompt=gen)
+    assert text == theirs.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+    if re.search(r"\s{2,}\d", text):
+      continue
+    want = theirs.apply_chat_template(messages, add_generation_prompt=gen, return_dict=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=gen) == list(want), messages[-1]
+    checked += 1
+  assert checked >= 140   # of 150
+  tokens = [ours.tk.id_to_token(i) for i in ours.encode(" crowd.  52 people")]
+  assert tokens == ["Ġcrowd", ".", "ĠĠ", "5", "2", "Ġpeople"]
+  text = "Year 2024:\tüñí 漢字 🙂  done\n\n"
+  assert ours.decode(ours.encode(text)) == text
+  ours.save(str(tmp_path))   # an export writes it as an HF tokenizer directory
+  again = tokenizer.load(str(tmp_path))
+  messages = _conversations()[-1][0]
+  assert again.apply_chat_template(messages) == ours.apply_chat_template(messages)
+  assert (again.bos_id, again.eos_id, again.pad_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
+
+
+def _write_gguf(path, tokens, types, **kv):
+  gguf = pytest.importorskip("gguf")
+  w = gguf.GGUFWriter(str(path), arch="llama")
+  w.add_token_list(tokens)
+  w.add_token_types(types)
+  for key, value in kv.items():
+    getattr(w, f"add_{key}")(value)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+@pytest.mark.parametrize("name,pre", [("llama3", "llama-bpe"), ("qwen3", "qwen2")])
+def test_byte_level_gguf_tokenizers_equal_their_tokenizer_json(name, pre, tmp_path):
+  """A GGUF written here from a real tokenizer.json (as llama.cpp's converter writes one) reads back to the same ids
+  as the tokenizer.json itself, chat templates included."""
+  import json
+  directory = realdata.path(f"tokenizers/{name}")
+  data = json.load(open(os.path.join(directory, "tokenizer.json")))
+  vocab = dict(data["model"]["vocab"])
+  added = {t["id"]: t for t in data["added_tokens"]}
+  vocab.update({t["content"]: i for i, t in added.items()})
+  tokens = [None] * (max(vocab.values()) + 1)
+  for t, i in vocab.items():
+    tokens[i] = t
+  tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+  types = [(3 if added[i]["special"] else 4) if i in added else 1 for i in range(len(tokens))]
+  merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+  reference = tokenizer.load(directory)
+  path = tmp_path / f"{name}.gguf"
+  _write_gguf(path, tokens, types, tokenizer_model="gpt2", tokenizer_pre=pre, token_merges=merges,
+              bos_token_id=reference.bos_id or 0, eos_token_id=reference.eos_id,
+              chat_template=reference.config.get("chat_template") or open(os.path.join(directory,
+                                                                                      "tokenizer_config.json")).read())
+  ours = tokenizer.load(str(path))
+  for messages, gen in _conversations()[::3]:
+    text = reference.render_chat(messages, add_generation_prompt=gen)
+    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+  odd = "x  12345 y\r\n\r\n  ÄÖ 漢字🙂 it's WE'LL"
+  assert ours.encode(odd, add_special_tokens=False) == reference.encode(odd, add_special_tokens=False)
+
+
+def test_sentencepiece_gguf_tokenizer_equals_sentencepiece(tmp_path):
+  """A "llama" (SentencePiece) GGUF written from Llama 2's tokenizer.model: ids equal the sentencepiece library,
+  with bos added as llama.cpp does for these files."""
+  sentencepiece = pytest.importorskip("sentencepiece")
+  sp = sentencepiece.SentencePieceProcessor(model_file=realdata.path("tokenizers/llama2/tokenizer.model"))
+  n = sp.vocab_size()
+  types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+  path = tmp_path / "llama2.gguf"
+  _write_gguf(path, [sp.id_to_piece(i) for i in range(n)], types, tokenizer_model="llama",
+              token_scores=[sp.get_score(i) for i in range(n)], bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id(),
+              unk_token_id=sp.unk_id())
+  ours = tokenizer.load(str(path))
+  for messages, _ in _conversations()[::3]:
+    text = "\n".join(m["content"] for m in messages)
+    assert ours.encode(text) == [sp.bos_id()] + sp.encode(text)
