@@ -183,7 +183,8 @@ def test_llama_factory_demo_sets():
 
 
 # SentencePiece models beside a chat template of the same version (Mistral's HF templates for its .model files).
-SPM_TEMPLATES = {"mistral_v1": ("tokenizers/mistral/tokenizer.model.v1", "tokenizers/mistral/chat_template_v1_spm.jinja"),
+SPM_TEMPLATES = {"mistral_v1": ("tokenizers/mistral/tokenizer.model.v1",
+                                "tokenizers/mistral/chat_template_v1_spm.jinja"),
                  "mistral_v3": ("tokenizers/mistral/mistral_instruct_tokenizer_240323.model.v3",
                                 "tokenizers/mistral/chat_template_v3_spm.jinja"),
                  "mistral_v7": ("tokenizers/mistral/mistral_instruct_tokenizer_241114.model.v7",
