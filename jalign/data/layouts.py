@@ -74,16 +74,18 @@ def hh_messages(transcript: str, key: str) -> list[dict]:
   return [{"role": _HH_ROLES[role], "content": text.strip()} for role, text in zip(parts[1::2], parts[2::2])]
 
 
-def split_shared_prompt(chosen: list[dict], rejected: list[dict]) -> tuple[list, list, list]:
-  """The messages both conversations share, ending at a user turn; then each side's own messages."""
+def split_shared_prompt(chosen: list[dict], rejected: list[dict], *, end_at_user: bool = True
+                        ) -> tuple[list, list, list]:
+  """The messages both conversations share (TRL's implicit prompt), backed up to end at a user turn unless
+  `end_at_user` is False (TRL's own rule); then each side's own messages."""
   k = 0
   while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
     k += 1
-  while k and chosen[k - 1]["role"] != "user":
+  while end_at_user and k and chosen[k - 1]["role"] != "user":
     k -= 1
   if k == 0:
-    raise DataError("'chosen' and 'rejected' share no leading messages ending in a user turn, so there is no "
-                    "prompt to condition both on")
+    raise DataError("'chosen' and 'rejected' share no leading messages" + (" ending in a user turn" if end_at_user
+                    else "") + ", so there is no prompt to condition both on (and no 'prompt' field)")
   return chosen[:k], chosen[k:], rejected[k:]
 
 

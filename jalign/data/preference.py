@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from jalign.data.layouts import split_shared_prompt
 from jalign.data.sft import TooLong, _check_messages, _check_text, _template_spans, _tokens_with_mask
 from jalign.data.sources import DataError
 from jalign.sampling import prompt_bucket
@@ -47,16 +48,6 @@ def style_of(record) -> str:
   if style == "plain" and "prompt" not in record:
     raise DataError("plain-text record has no 'prompt' field")
   return style
-
-
-def _split_implicit(chosen: list, rejected: list) -> tuple[list, list, list]:
-  """TRL's implicit prompt: the messages both conversations share before they differ."""
-  k = 0
-  while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
-    k += 1
-  if k == 0:
-    raise DataError("'chosen' and 'rejected' share no leading prompt messages and there is no 'prompt' field")
-  return chosen[:k], chosen[k:], rejected[k:]
 
 
 def _encode_side(tok: Tokenizer, style: str, prompt, completion, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -92,8 +83,9 @@ def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "
         prompt = _check_messages(record["prompt"], "prompt")
         chosen, rejected = record["chosen"], record["rejected"]
       else:
-        prompt, chosen, rejected = _split_implicit(_check_messages(record["chosen"], "chosen"),
-                                                   _check_messages(record["rejected"], "rejected"))
+        prompt, chosen, rejected = split_shared_prompt(_check_messages(record["chosen"], "chosen"),
+                                                       _check_messages(record["rejected"], "rejected"),
+                                                       end_at_user=False)   # TRL's implicit prompt
     else:
       prompt, chosen, rejected = _check_text(record["prompt"], "prompt"), record["chosen"], record["rejected"]
     sides = [_encode_side(tok, style, prompt, chosen, "chosen"),
