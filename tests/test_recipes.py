@@ -45,13 +45,15 @@ def _flags(overrides: dict) -> list[str]:
 @pytest.mark.slow
 def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path):  # noqa: F811
   """The recipes in turn, each as a user runs it (`python -m jalign.run`, one CPU device): one at a time, since a
-  real model's run holds 4-5 GB at its peak on a CPU host."""
+  real model's run holds 4-5 GB at its peak on a CPU host. The last starts from the .gguf file itself, its
+  tokenizer and chat template included."""
   model_dir, _ = smollm2_hf
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   for name in ("gsm8k_sft", "gsm8k_grpo", "math_grpo", "hh_rm", "hh_dpo"):
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/recipes/{name}.py:smoke",
-           f"--config.model.path={model_dir}", f"--config.run_dir={run_dir}", "--config.log.progress=False",
+           f"--config.model.path={realdata.path(realdata.SMOLLM2_GGUF) if name == 'hh_dpo' else model_dir}",
+           f"--config.run_dir={run_dir}", "--config.log.progress=False",
            *_flags(_data(name, tmp_path))]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (name, proc.stdout[-2000:], proc.stderr[-3000:])
@@ -63,7 +65,7 @@ def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path):  # noqa: F811
       assert any("eval/accuracy" in r for r in rows), name
     else:
       assert len(losses) == 2 and any("eval/loss" in r for r in rows), name
-    assert os.path.exists(run_dir / "hf" / "config.json"), name
+    assert os.path.exists(run_dir / "hf" / "config.json") and os.path.exists(run_dir / "hf" / "tokenizer.json"), name
 
 
 def test_recipes_reject_unknown_args():
