@@ -1,9 +1,11 @@
 """DPO training throughput: jalign vs TRL's DPOTrainer on CPU, with a reference forward per step and with
 precomputed reference log-probs on both sides.
 
-    python benchmarks/dpo_vs_trl.py [--steps 12] [--scan-layers] [--whole-sequences]
+    python benchmarks/dpo_vs_trl.py [--steps 12] [--scan-layers] [--whole-sequences] [--reference both]
+                                    [--model DIR|FILE.gguf]
 
-Same HF Llama (hidden 256, 4 layers, vocab 4096, fp32, random weights), 8 pairs per step of 128 prompt + 128
+Same HF model on both sides (the tiny random Llama: hidden 256, 4 layers, vocab 4096; or --model, see
+benchmarks/checkpoints.py), fp32, 8 pairs per step of 128 prompt + 128
 completion tokens (chosen and rejected: 8 x 2 x 256 real tokens), sigmoid loss, beta 0.1, AdamW lr 1e-4, constant
 schedule, clipping at 1.0 on both sides. Reported: real tokens/s, median after 3 warm-up steps.
 
@@ -27,33 +29,21 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-HIDDEN, LAYERS, VOCAB, HEADS = 256, 4, 4096, 4
+from checkpoints import Checkpoint, add_model_flag, prepare
+
 PAIRS, PROMPT, COMPLETION = 8, 128, 128
 TOKENS_PER_STEP = PAIRS * 2 * (PROMPT + COMPLETION)
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def make_checkpoint(path: str) -> None:
-  import torch
-  import transformers
-  from tokenizers import Tokenizer, models, pre_tokenizers
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-                                 num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=512,
-                                 eos_token_id=1, pad_token_id=0)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-  vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
-  tk = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
-  tk.pre_tokenizer = pre_tokenizers.Whitespace()
-  transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
-  words = lambda n, k: " ".join(f"w{2 + (k * 31 + j * 17) % (VOCAB - 2)}" for j in range(n))
-  with open(os.path.join(path, "pairs.jsonl"), "w") as f:
+def write_pairs(ckpt: Checkpoint) -> None:
+  with open(os.path.join(ckpt.workdir, "pairs.jsonl"), "w") as f:
     for i in range(64):  # plain style: the completion gets eos appended on both sides
-      f.write(json.dumps({"prompt": words(PROMPT, i), "chosen": " " + words(COMPLETION - 1, i + 1000),
-                          "rejected": " " + words(COMPLETION - 1, i + 2000)}) + "\n")
+      f.write(json.dumps({"prompt": ckpt.text(PROMPT, i), "chosen": ckpt.text(COMPLETION - 1, i + 1000),
+                          "rejected": ckpt.text(COMPLETION - 1, i + 2000)}) + "\n")
 
 
-def trl_tokens_per_s(path: str, steps: int, precompute: bool) -> float:
+def trl_tokens_per_s(ckpt: Checkpoint, steps: int, precompute: bool) -> float:
   import datasets
   import transformers
   from trl import DPOConfig, DPOTrainer
@@ -67,10 +57,12 @@ def trl_tokens_per_s(path: str, steps: int, precompute: bool) -> float:
     def on_step_end(self, args, state, control, **kw):
       times.append(time.perf_counter() - self.t)
 
-  ds = datasets.Dataset.from_list([json.loads(line) for line in open(os.path.join(path, "pairs.jsonl"))])
-  model = transformers.AutoModelForCausalLM.from_pretrained(path)
-  ref = transformers.AutoModelForCausalLM.from_pretrained(path)
+  path = ckpt.path
+  ds = datasets.Dataset.from_list([json.loads(line) for line in open(os.path.join(ckpt.workdir, "pairs.jsonl"))])
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+  ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32")
   tok = transformers.AutoTokenizer.from_pretrained(path)
+  tok.pad_token = tok.pad_token or tok.eos_token
   # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on an AVX2-only CPU,
   # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
@@ -84,18 +76,19 @@ def trl_tokens_per_s(path: str, steps: int, precompute: bool) -> float:
   return TOKENS_PER_STEP / statistics.median(times[3:])
 
 
-def jalign_tokens_per_s(path: str, steps: int, precompute: bool, scan_layers: bool = False,
+def jalign_tokens_per_s(ckpt: Checkpoint, steps: int, precompute: bool, scan_layers: bool = False,
                         share_prompt: bool = True) -> float:
   run_dir = tempfile.mkdtemp()
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/dpo.py", f"--config.model.path={path}",
-         "--config.tokenizer=", f"--config.data.train={path}/pairs.jsonl", "--config.data.eval=",
+  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/dpo.py", f"--config.model.path={ckpt.path}",
+         "--config.tokenizer=", f"--config.data.train={ckpt.workdir}/pairs.jsonl", "--config.data.eval=",
          "--config.dpo.eval_prompts=", "--config.dpo.rpo_alpha=0.0", f"--config.dpo.precompute_ref_logps={precompute}",
          f"--config.data.max_length={PROMPT + COMPLETION}", f"--config.train.seq_len={PROMPT + COMPLETION}",
          f"--config.train.batch_size={PAIRS}", f"--config.train.steps={steps}", "--config.train.log_every=1",
          "--config.optim.lr=1e-4", "--config.optim.schedule=constant", "--config.optim.warmup_steps=0",
          "--config.optim.clip_norm=1.0", f"--config.run_dir={run_dir}", "--config.checkpoint.every=0",
          "--config.checkpoint.export_hf=False", "--config.log.progress=False", "--config.log.tensorboard=False",
-         f"--config.model.scan_layers={scan_layers}", f"--config.dpo.share_prompt={share_prompt}"]
+         f"--config.model.scan_layers={scan_layers}", f"--config.dpo.share_prompt={share_prompt}",
+         "--config.model.dtype=float32", "--config.data.pair_checks=off"]
   subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
   rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   times = [r["perf/step_time_s"] for r in rows if "perf/step_time_s" in r]
@@ -109,18 +102,23 @@ def main():
                  help="also time jalign with its layers scanned (the configs' default)")
   p.add_argument("--whole-sequences", action="store_true",
                  help="also time jalign on two whole sequences per pair (dpo.share_prompt=False), as TRL")
+  p.add_argument("--reference", choices=("both", "forward", "precomputed"), default="both",
+                 help="the reference log-probs: a forward per step, precomputed, or both cases")
+  add_model_flag(p)
   args = p.parse_args()
   rows = []
   with tempfile.TemporaryDirectory() as path:
-    make_checkpoint(path)
-    for precompute in (False, True):
-      j = jalign_tokens_per_s(path, args.steps, precompute)
-      t = trl_tokens_per_s(path, args.steps, precompute)
+    ckpt = prepare(args.model, path)
+    write_pairs(ckpt)
+    print(f"model: {ckpt.description}, fp32")
+    for precompute in {"both": (False, True), "forward": (False,), "precomputed": (True,)}[args.reference]:
+      j = jalign_tokens_per_s(ckpt, args.steps, precompute)
+      t = trl_tokens_per_s(ckpt, args.steps, precompute)
       extra = {}
       if args.scan_layers:
-        extra["layers scanned"] = jalign_tokens_per_s(path, args.steps, precompute, scan_layers=True)
+        extra["layers scanned"] = jalign_tokens_per_s(ckpt, args.steps, precompute, scan_layers=True)
       if args.whole_sequences:
-        extra["whole sequences"] = jalign_tokens_per_s(path, args.steps, precompute, share_prompt=False)
+        extra["whole sequences"] = jalign_tokens_per_s(ckpt, args.steps, precompute, share_prompt=False)
       rows.append((precompute, j, t, extra))
   print(f"DPO, {PAIRS} pairs x ({PROMPT} + {COMPLETION}) tokens, chosen and rejected, CPU; real tokens/s:")
   for precompute, j, t, extra in rows:

@@ -1,12 +1,13 @@
 """Seconds per GRPO step (generation + update): jalign vs TRL's GRPOTrainer (its own generate path) on CPU.
 
-    python benchmarks/grpo_vs_trl.py [--steps 8]
+    python benchmarks/grpo_vs_trl.py [--steps 8] [--model DIR|FILE.gguf]
 
-Same HF Llama (hidden 256, 4 layers, vocab 4096, fp32, random weights), 8 prompts x 8 generations x up to 64 new
-tokens at temperature 1, one optimizer update per step, KL coefficient 0.001 to a frozen reference, a constant-zero
-reward on both sides (random weights produce no verifiable answers; the update still runs in full). Reported: median
-seconds per step after one warm-up step (steady state: a step that meets a new prompt-length bucket compiles, and
-the median leaves such steps out), and jalign's split into generation and update.
+Same HF model on both sides (the tiny random Llama: hidden 256, 4 layers, vocab 4096; or --model, see
+benchmarks/checkpoints.py; a model with a chat template gets its prompts templated on both sides), fp32, 8 prompts x
+8 generations x up to 64 new tokens at temperature 1, one optimizer update per step, KL coefficient 0.001 to a frozen
+reference, a constant-zero reward on both sides (random words as prompts get no verifiable answers; the update still
+runs in full). Reported: median seconds per step after one warm-up step (steady state: a step that meets a new
+prompt-length bucket compiles, and the median leaves such steps out), and jalign's split into generation and update.
 """
 from __future__ import annotations
 
@@ -21,32 +22,18 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-HIDDEN, LAYERS, VOCAB, HEADS = 256, 4, 4096, 4
+from checkpoints import Checkpoint, add_model_flag, prepare
+
 PROMPTS, GENERATIONS, NEW_TOKENS = 8, 8, 64
 
 
-def make_checkpoint(path: str) -> None:
-  import torch
-  import transformers
-  from tokenizers import Tokenizer, models, pre_tokenizers
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-                                 num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=512,
-                                 eos_token_id=1, pad_token_id=0, bos_token_id=2)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-  vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-  tk = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
-  tk.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
-                                             bos_token="<bos>")
-  tok.save_pretrained(path)
-  with open(os.path.join(path, "prompts.jsonl"), "w") as f:
+def write_prompts(ckpt: Checkpoint) -> None:
+  with open(os.path.join(ckpt.workdir, "prompts.jsonl"), "w") as f:
     for i in range(64):
-      words = " ".join(f"w{3 + (i * 7 + j * 13) % (VOCAB - 3)}" for j in range(16 + i % 16))
-      f.write(json.dumps({"prompt": words, "answer": "0"}) + "\n")
+      f.write(json.dumps({"prompt": ckpt.text(16 + i % 16, i), "answer": "0"}) + "\n")
 
 
-def trl_seconds(path: str, steps: int) -> list[float]:
+def trl_seconds(ckpt: Checkpoint, steps: int) -> list[float]:
   import datasets
   import transformers
   from trl import GRPOConfig, GRPOTrainer
@@ -63,10 +50,14 @@ def trl_seconds(path: str, steps: int) -> list[float]:
   def reward(completions, **kw):
     return [0.0 for _ in completions]
 
-  rows = [json.loads(l) for l in open(os.path.join(path, "prompts.jsonl"))]
-  ds = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
-  model = transformers.AutoModelForCausalLM.from_pretrained(path)
-  tok = transformers.AutoTokenizer.from_pretrained(path)
+  rows = [json.loads(l) for l in open(os.path.join(ckpt.workdir, "prompts.jsonl"))]
+  model = transformers.AutoModelForCausalLM.from_pretrained(ckpt.path, dtype="float32")
+  tok = transformers.AutoTokenizer.from_pretrained(ckpt.path)
+  tok.pad_token = tok.pad_token or tok.eos_token
+  # jalign renders a string prompt as one user turn with the chat template when the tokenizer has one; TRL does so
+  # for conversational prompts
+  as_chat = lambda p: [{"role": "user", "content": p}] if tok.chat_template else p
+  ds = datasets.Dataset.from_list([{"prompt": as_chat(r["prompt"])} for r in rows])
   # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on an AVX2-only CPU,
   # and not the fp32 arithmetic jalign runs): both sides fp32.
   with tempfile.TemporaryDirectory() as out:
@@ -80,10 +71,11 @@ def trl_seconds(path: str, steps: int) -> list[float]:
   return times
 
 
-def jalign_seconds(path: str, steps: int) -> list[dict]:
+def jalign_seconds(ckpt: Checkpoint, steps: int) -> list[dict]:
   run_dir = tempfile.mkdtemp()
   cmd = [sys.executable, "-m", "jalign.run", f"--config={os.path.dirname(__file__)}/../configs/grpo.py",
-         f"--config.model.path={path}", f"--config.grpo.prompts={path}/prompts.jsonl", "--config.grpo.eval_prompts=",
+         f"--config.model.path={ckpt.path}", f"--config.grpo.prompts={ckpt.workdir}/prompts.jsonl",
+         "--config.grpo.eval_prompts=",
          f"--config.grpo.prompts_per_step={PROMPTS}", f"--config.sampling.num_samples={GENERATIONS}",
          f"--config.sampling.max_new_tokens={NEW_TOKENS}", "--config.sampling.max_prompt_length=64",
          "--config.grpo.mini_batches=1", "--config.grpo.dynamic_sampling=False", "--config.grpo.compact_sizes=0",
@@ -93,7 +85,7 @@ def jalign_seconds(path: str, steps: int) -> list[dict]:
          "--config.optim.lr=1e-4", "--config.optim.schedule=constant", "--config.optim.warmup_steps=0",
          f"--config.train.steps={steps}", "--config.train.log_every=1", f"--config.run_dir={run_dir}",
          "--config.checkpoint.every=0", "--config.checkpoint.export_hf=False", "--config.log.progress=False",
-         "--config.log.tensorboard=False"]
+         "--config.log.tensorboard=False", "--config.model.dtype=float32", "--config.grpo.no_signal=update"]
   subprocess.run(cmd, check=True, cwd=os.path.join(os.path.dirname(__file__), ".."))
   return [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if "timing_s/gen" in l]
 
@@ -101,14 +93,17 @@ def jalign_seconds(path: str, steps: int) -> list[dict]:
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--steps", type=int, default=8)
+  add_model_flag(p)
   args = p.parse_args()
   with tempfile.TemporaryDirectory() as path:
-    make_checkpoint(path)
-    rows = jalign_seconds(path, args.steps)[1:]
+    ckpt = prepare(args.model, path)
+    write_prompts(ckpt)
+    print(f"model: {ckpt.description}, fp32")
+    rows = jalign_seconds(ckpt, args.steps)[1:]
     j_total = statistics.median(r["timing_s/step"] for r in rows)
     j_gen = statistics.median(r["timing_s/gen"] for r in rows)
     j_update = statistics.median(r["timing_s/update"] for r in rows)
-    t = trl_seconds(path, args.steps)[1:]
+    t = trl_seconds(ckpt, args.steps)[1:]
     t_total = statistics.median(t)
   print(f"GRPO step, {PROMPTS} prompts x {GENERATIONS} generations x <= {NEW_TOKENS} new tokens, CPU:")
   print(f"  jalign        {j_total:6.2f} s/step  (generation {j_gen:.2f} s, update {j_update:.2f} s, between them "

@@ -1,8 +1,9 @@
 """SFT training throughput: jalign vs TRL's SFTTrainer, and jalign's step vs a minimal hand-written JAX step.
 
-    python benchmarks/sft_vs_trl.py [--steps 12] [--cases a,b,c] [--scan-layers]
+    python benchmarks/sft_vs_trl.py [--steps 12] [--cases a,b,c] [--scan-layers] [--model DIR|FILE.gguf]
 
-Same tiny HF Llama (hidden 256, 4 layers, vocab 4096, fp32), same AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8,
+Same HF model on both sides (the tiny random Llama: hidden 256, 4 layers, vocab 4096; or --model, see
+benchmarks/checkpoints.py), fp32, same AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8,
 weight decay 0, no clipping) on CPU, torch using all cores:
   (a) fixed-length batches of 8 x 256 tokens, loss on every token, no padding on either side;
   (b) variable-length sequences (16-512 tokens): TRL with its defaults (no packing: batches of 8 padded to the
@@ -11,7 +12,7 @@ weight decay 0, no clipping) on CPU, torch using all cores:
 Prints tokens/s and the ratios. Timing skips the first steps (compilation, warm-up) and takes the median.
 jalign runs the 4 layers unrolled (`scan_layers=False`, as TRL's eager loop and the minimal step do): on XLA's CPU
 backend the scanned stack fills and reads stacked per-layer buffers. `--scan-layers` also times case (a) scanned
-(the configs' default), for the record.
+(the configs' default), for the record. Case (c)'s minimal step is written for the tiny Llama only.
 """
 from __future__ import annotations
 
@@ -28,33 +29,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-HIDDEN, LAYERS, VOCAB, HEADS, KV_HEADS, FFN = 256, 4, 4096, 4, 4, 688
+from checkpoints import TINY, Checkpoint, add_model_flag, prepare
+
+HIDDEN, LAYERS, HEADS = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["num_attention_heads"]
 LR = 1e-4
 
 
-def hf_model(seed: int = 0):
-  import torch
-  import transformers
-  torch.manual_seed(seed)
-  cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=1024,
-                                 tie_word_embeddings=False)
-  return transformers.LlamaForCausalLM(cfg)
+def fixed_records(ckpt: Checkpoint, n: int, seq: int, seed: int = 0) -> list[list[int]]:
+  return [ckpt.ids(seq, seed * 100_003 + i) for i in range(n)]
 
 
-def fixed_records(n: int, seq: int, seed: int = 0) -> list[list[int]]:
-  rng = np.random.RandomState(seed)
-  return [rng.randint(3, VOCAB, seq).tolist() for _ in range(n)]
-
-
-def variable_records(n: int, seed: int = 1) -> list[list[int]]:
-  rng = np.random.RandomState(seed)
-  return [rng.randint(3, VOCAB, int(rng.randint(16, 513))).tolist() for _ in range(n)]
+def variable_records(ckpt: Checkpoint, n: int, seed: int = 1) -> list[list[int]]:
+  lengths = np.random.RandomState(seed).randint(16, 513, n)
+  return [ckpt.ids(int(k), seed * 100_003 + i) for i, k in enumerate(lengths)]
 
 
 # ---------------------------------------------------------------------------------------------------------------- TRL
 
-def trl_tokens_per_s(records, batch_size: int, max_length: int, steps: int, warmup: int) -> float:
+def trl_tokens_per_s(path: str, records, batch_size: int, max_length: int, steps: int, warmup: int) -> float:
   import datasets
   import torch
   import transformers
@@ -69,9 +61,8 @@ def trl_tokens_per_s(records, batch_size: int, max_length: int, steps: int, warm
     def on_step_end(self, args, state, control, **kw):
       times.append(time.perf_counter() - self.t)
 
-  model = hf_model()
-  tok = transformers.PreTrainedTokenizerFast(tokenizer_object=_dummy_tokenizer(), pad_token="<pad>",
-                                             eos_token="<eos>")
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  tok = transformers.AutoTokenizer.from_pretrained(path)
   ds = datasets.Dataset.from_dict({"input_ids": records})
   # TRL's configs default to bf16=True, which on CPU autocasts the matmuls to bf16 (7x slower on an AVX2-only CPU,
   # and not the fp32 arithmetic jalign runs): both sides fp32.
@@ -93,12 +84,6 @@ def trl_tokens_per_s(records, batch_size: int, max_length: int, steps: int, warm
     trainer.train()
   per_step = np.asarray(times[warmup:])
   return float(np.sum(tokens[warmup:len(times)]) / np.sum(per_step)), torch.get_num_threads()
-
-
-def _dummy_tokenizer():
-  from tokenizers import Tokenizer, models
-  vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-  return Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
 
 
 # ------------------------------------------------------------------------------------------------------------- jalign
@@ -214,18 +199,22 @@ def main():
   p.add_argument("--cases", default="a,b,c")
   p.add_argument("--scan-layers", action="store_true",
                  help="also time case (a) with jalign's layers scanned (the configs' default)")
+  add_model_flag(p)
   args = p.parse_args()
   cases = set(args.cases.split(","))
   n = args.steps + 1
   with tempfile.TemporaryDirectory() as path:
-    hf_model().save_pretrained(path)
-    print(f"model: Llama hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}, fp32; backend {jax.default_backend()}")
+    ckpt = prepare(args.model, path)
+    path = ckpt.path
+    if "c" in cases and not ckpt.tiny:
+      raise SystemExit("case (c)'s minimal step is written for the tiny Llama: --cases a,b with --model")
+    print(f"model: {ckpt.description}, fp32; backend {jax.default_backend()}")
     if "a" in cases or "c" in cases:
-      records = fixed_records(8 * n, 256)
+      records = fixed_records(ckpt, 8 * n, 256)
       state, step = jalign_step(path)
       ja, _ = time_steps(step, state, fixed_batches(records, 8), args.warmup)
     if "a" in cases:
-      tr, threads = trl_tokens_per_s(records, 8, 256, args.steps, args.warmup)
+      tr, threads = trl_tokens_per_s(path, records, 8, 256, args.steps, args.warmup)
       print(f"(a) fixed 8x256:     jalign {ja:8.0f} tok/s   TRL {tr:8.0f} tok/s (torch {threads} threads)"
             f"   jalign/TRL = {ja / tr:.2f}x")
       if args.scan_layers:
@@ -233,15 +222,16 @@ def main():
         js, _ = time_steps(step, state, fixed_batches(records, 8), args.warmup)
         print(f"    layers scanned:  jalign {js:8.0f} tok/s   jalign/TRL = {js / tr:.2f}x")
     if "b" in cases:
-      records = variable_records(8 * n)
+      records = variable_records(ckpt, 8 * n)
       state, step = jalign_step(path)
-      jb, _ = time_steps(step, state, packed_batches(variable_records(400), 4, 512, n), args.warmup)
-      tb, _ = trl_tokens_per_s(records, 8, 512, args.steps, args.warmup)
+      jb, _ = time_steps(step, state, packed_batches(variable_records(ckpt, 400), 4, 512, n), args.warmup)
+      tb, _ = trl_tokens_per_s(path, records, 8, 512, args.steps, args.warmup)
       print(f"(b) variable 16-512: jalign {jb:8.0f} tok/s   TRL {tb:8.0f} tok/s   jalign/TRL = {jb / tb:.2f}x"
             "   (real tokens only; jalign packs 4x512 rows, TRL pads batches of 8)")
     if "c" in cases:
       state, step = minimal_step(path)
-      jm, _ = time_steps(lambda s, b: step(s, b), state, fixed_batches(fixed_records(8 * n, 256), 8), args.warmup)
+      batches = fixed_batches(fixed_records(ckpt, 8 * n, 256), 8)
+      jm, _ = time_steps(lambda s, b: step(s, b), state, batches, args.warmup)
       print(f"(c) step overhead:   jalign {ja:8.0f} tok/s   minimal JAX {jm:8.0f} tok/s   "
             f"overhead = {(jm / ja - 1) * 100:+.1f}%")
 

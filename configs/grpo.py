@@ -49,6 +49,7 @@ def get_config(arg=None):
       eval_prompts="synthetic:arith:test",
       eval_examples=500,
       max_kl=0.0, max_kl_action="stop", kl_lr_factor=0.5, entropy_floor=0.01,
+      no_signal="skip",   # a step whose groups all score alike has no gradient signal: skip its update
       tis_imp_ratio_cap=0.0))  # offline only: > 0 weights tokens by min(pi_old / pi_behaviour, cap)
   c.grpo.clip_c = ml_collections.config_dict.placeholder(float)
   c.checkpoint = ml_collections.ConfigDict(dict(every=150, keep=2, resume=True, export_hf=True, async_save=True,
