@@ -191,6 +191,7 @@ class GrpoSection:
   clip_c: float | None = None          # dual clip (Ye et al. 2020); None = off
   loss_mode: Literal["vanilla", "gspo"] = "vanilla"
   agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+  loss_scale_factor: int = 0           # seq-mean-token-sum-norm's constant T (verl's name); 0 = max_new_tokens
   kl_coef: float = 0.001               # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl); 0 = no KL term
                                        # (DAPO): the reference then runs only on the steps that log the KL
   kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
@@ -657,6 +658,9 @@ def _validate_grpo(cfg: RunConfig) -> None:
     raise ConfigError(f"config.grpo.clip_high={g.clip_high} must be >= clip_low={g.clip_low} >= 0")
   if g.clip_c is not None and g.clip_c <= 1.0:
     raise ConfigError(f"config.grpo.clip_c={g.clip_c}: the dual-clip bound must be > 1")
+  if g.loss_scale_factor < 0:
+    raise ConfigError(f"config.grpo.loss_scale_factor={g.loss_scale_factor}: seq-mean-token-sum-norm's constant "
+                      "length must be >= 0 (0 = sampling.max_new_tokens)")
   if s.temperature == 0:
     raise ConfigError("config.sampling.temperature=0: GRPO needs sampled (not greedy) completions")
   if cfg.task == "ppo" and g.adv_estimator != "gae":

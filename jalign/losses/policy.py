@@ -10,22 +10,38 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 KL_KINDS = ("k1", "abs", "k2", "k3")
 
 
-def aggregate_parts(loss_BxT, mask_BxT, mode: str, *, global_rows: int | None = None):
+def aggregate_parts(loss_BxT, mask_BxT, mode: str, *, global_rows: int | None = None,
+                    norm_rows: int | None = None, horizon: int | None = None):
   """(numerator, denominator) whose sums over micro-batches and data-parallel shards, divided, give `aggregate` of
-  the whole global batch: the normaliser is global, not per micro-batch (a pitfall of per-shard means)."""
+  the whole global batch: the normaliser is global, not per micro-batch (a pitfall of per-shard means).
+
+  `global_rows`: rows of the global batch, all pieces together (default: this piece's rows). What each mode divides
+  the masked loss sum by, with B the global batch's sequences and T the padded response length:
+
+    mode                     divides by                     matches
+    token-mean               valid tokens                   verl agg_loss; TRL "dapo" / "bnpo" (global tokens)
+    seq-mean-token-sum       B (each row's token sum)       verl agg_loss
+    seq-mean-token-mean      B (each row's token mean)      verl agg_loss; TRL "grpo"
+    seq-mean-token-sum-norm  norm_rows x horizon            verl agg_loss since its Feb 2026 fix (global_batch_size
+                                                            x loss_scale_factor); TRL "dr_grpo" (B x
+                                                            max_completion_length)
+
+  Dr. GRPO (Liu et al. 2025) wants a constant normaliser: `horizon` (verl's loss_scale_factor) defaults to T and
+  `norm_rows` to B; a batch that leaves out whole masked rows (GRPO's compact_sizes) passes the B it stands for.
+  Before Feb 2026 verl divided by T alone, B times the value here."""
   mask = mask_BxT.astype(jnp.float32)
   per_seq = jnp.sum(loss_BxT * mask, axis=-1)
-  rows = jnp.asarray(loss_BxT.shape[0], jnp.float32)
+  rows = loss_BxT.shape[0]
+  share = rows / (global_rows or rows)   # this piece's part of a normaliser that counts the whole batch
   if mode == "token-mean":
     return jnp.sum(per_seq), jnp.sum(mask)
   if mode == "seq-mean-token-sum":
-    return jnp.sum(per_seq), rows
+    return jnp.sum(per_seq), jnp.asarray(rows, jnp.float32)
   if mode == "seq-mean-token-mean":
-    return jnp.sum(per_seq / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)), rows
+    return jnp.sum(per_seq / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)), jnp.asarray(rows, jnp.float32)
   if mode == "seq-mean-token-sum-norm":
-    # Dr. GRPO: sum of token sums over a constant (max response length); verl does not divide by the rows.
-    share = rows / (global_rows if global_rows else rows)
-    return jnp.sum(per_seq), loss_BxT.shape[-1] * share
+    norm = (norm_rows or global_rows or rows) * (horizon or loss_BxT.shape[-1])
+    return jnp.sum(per_seq), jnp.asarray(norm * share, jnp.float32)
   raise ValueError(f"loss aggregation {mode!r}; accepted: {', '.join(AGG_MODES)}")
 
 

@@ -32,7 +32,9 @@ class GrpoLossConfig:
   kl_kind: str = "k3"
   entropy_coef: float = 0.0
   temperature: float = 1.0
-  global_rows: int = 0               # rows per optimizer step (for seq-mean-token-sum-norm)
+  global_rows: int = 0               # rows per optimizer step, all micro-batches and shards (0: this batch's)
+  norm_rows: int = 0                 # seq-mean-token-sum-norm's B (0: global_rows); see losses.policy
+  horizon: int = 0                   # seq-mean-token-sum-norm's T (0: the padded response length)
   group_size: int = 0                # > 1: rows come in groups of this many samples of one prompt (see below)
   tis_cap: float = 0.0               # > 0: truncated importance weights against `behaviour_logp`
 
@@ -66,10 +68,11 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind) if "ref_logp" in batch else None
     total = (pg if kl is None else pg + cfg.kl_coef * kl) - cfg.entropy_coef * entropy
     agg = "seq-mean-token-mean" if cfg.mode == "gspo" else cfg.agg
-    num, den = policy.aggregate_parts(total, mask, agg, global_rows=cfg.global_rows or None)
+    norm = dict(global_rows=cfg.global_rows or None, norm_rows=cfg.norm_rows or None, horizon=cfg.horizon or None)
+    num, den = policy.aggregate_parts(total, mask, agg, **norm)
     # Metric sums: each divided by the step's summed denominator, so token-mean metrics come out as global means.
     per_token = den / jnp.maximum(jnp.sum(mask), 1.0)
-    sums = {"actor/pg_loss": policy.aggregate_parts(pg, mask, agg, global_rows=cfg.global_rows or None)[0],
+    sums = {"actor/pg_loss": policy.aggregate_parts(pg, mask, agg, **norm)[0],
             "actor/entropy": jnp.sum(entropy * mask) * per_token,
             "actor/pg_clipfrac": metrics["pg_clipfrac"] * den, "actor/ppo_kl": metrics["ppo_kl"] * den}
     if cfg.tis_cap:  # verl's names; the mean is of the truncated weights, the fraction of those at the cap

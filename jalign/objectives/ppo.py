@@ -51,7 +51,8 @@ def response_values(graphdef, params, batch: dict) -> jax.Array:
 class ValueLossConfig:
   clip: float = 0.5                    # verl critic.cliprange_value
   agg: str = "token-mean"
-  global_rows: int = 0
+  global_rows: int = 0                 # see objectives.grpo.GrpoLossConfig
+  horizon: int = 0
 
 
 def make_value_loss_fn(graphdef, cfg: ValueLossConfig):
@@ -62,7 +63,8 @@ def make_value_loss_fn(graphdef, cfg: ValueLossConfig):
     old, returns = batch["old_values"], batch["returns"]
     clipped = jnp.clip(values, old - cfg.clip, old + cfg.clip)
     l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
-    num, den = policy.aggregate_parts(0.5 * jnp.maximum(l1, l2), mask, cfg.agg, global_rows=cfg.global_rows or None)
+    num, den = policy.aggregate_parts(0.5 * jnp.maximum(l1, l2), mask, cfg.agg, global_rows=cfg.global_rows or None,
+                                      horizon=cfg.horizon or None)
     per_token = den / jnp.maximum(jnp.sum(mask), 1.0)  # token means, summed to the step's denominator
     sums = {"critic/vf_loss": num, "critic/vf_clipfrac": jnp.sum((l2 > l1) * mask) * per_token,
             "critic/vpred_mean": jnp.sum(values * mask) * per_token}

@@ -36,7 +36,8 @@ class Critic:
     shardings = TrainState(rep, param_shardings, opt_shardings, rep)
     batch_sharding = parallel.batch_sharding(mesh)
     loss = ppo.make_value_loss_fn(self.graphdef, ppo.ValueLossConfig(clip=g.value_clip, agg=g.agg,
-                                                                      global_rows=global_rows))
+                                                                      global_rows=global_rows,
+                                                                      horizon=g.loss_scale_factor))
     step = make_step(loss, optimizer, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True))
     self._update = jax.jit(step, in_shardings=(shardings, batch_sharding, frozen_shardings),
                            out_shardings=(shardings, rep), donate_argnums=0)

@@ -98,7 +98,7 @@ def np_agg(loss, m, mode):
     return (loss * m).sum(-1).mean()
   if mode == "seq-mean-token-mean":
     return ((loss * m).sum(-1) / m.sum(-1)).mean()
-  return (loss * m).sum(-1).sum() / m.shape[-1]
+  return (loss * m).sum(-1).sum() / (m.shape[0] * m.shape[-1])  # Dr. GRPO as verl and TRL now: B x T
 
 
 def np_vanilla(logp, old, adv, m, lo, hi, c):
@@ -183,6 +183,44 @@ def test_aggregation_over_micro_batches_and_shards_equals_one_batch(mode):
            for i in range(8)]
   combined = sum(p[0] for p in parts) / sum(p[1] for p in parts)
   np.testing.assert_allclose(combined, np_agg(loss, mask, mode), rtol=1e-5)
+
+
+def verl_agg_loss_sum_norm(loss, mask, dp_size, global_batch_size, loss_scale_factor=None):
+  """verl core_algos.agg_loss, "seq-mean-token-sum-norm", as of its Feb 2026 fix, on one data-parallel rank."""
+  seq_losses = (loss * mask).sum(-1)
+  seq_mask = (mask.sum(-1) > 0).astype(np.float64)
+  out = (seq_losses * seq_mask).sum() / global_batch_size * dp_size
+  return out / (loss_scale_factor if loss_scale_factor is not None else mask.shape[-1])
+
+
+def trl_dr_grpo(loss, mask, max_completion_length, grad_accum_steps):
+  """TRL GRPOTrainer._compute_loss, loss_type="dr_grpo", one micro-batch (divided by the accumulation steps)."""
+  return (loss * mask).sum() / (loss.shape[0] * max_completion_length) / grad_accum_steps
+
+
+@pytest.mark.parametrize("horizon", [None, 16])
+def test_dr_grpo_denominator_matches_verl_and_trl(horizon):
+  """3 micro-batches x 2 data-parallel shards of one global batch: jalign's summed parts equal verl's per-rank
+  losses averaged over ranks (DDP's gradient mean) and summed over accumulation steps, and TRL's dr_grpo."""
+  rng, mask, _, _ = _inputs(8)
+  loss = rng.randn(B, T)
+  mask[3] = 0  # a row with no valid token: verl's seq_mask leaves it out of the sum, not out of global_batch_size
+  micro, dp = 3, 2   # equal pieces: TRL normalises each micro-batch by its own row count
+  pieces = [(loss[i::micro * dp], mask[i::micro * dp]) for i in range(micro * dp)]
+  parts = [P.aggregate_parts(jnp.asarray(l), jnp.asarray(m), "seq-mean-token-sum-norm", global_rows=B,
+                             horizon=horizon) for l, m in pieces]
+  got = float(sum(p[0] for p in parts) / sum(p[1] for p in parts))
+  # verl: each micro-batch's loss already carries the global normaliser; ranks' gradients are averaged.
+  verl = sum(verl_agg_loss_sum_norm(l, m, dp, B, horizon) for l, m in pieces) / dp
+  np.testing.assert_allclose(got, verl, rtol=1e-5)
+  trl = sum(trl_dr_grpo(l, m, horizon or T, micro) for l, m in pieces) / dp
+  np.testing.assert_allclose(got, trl, rtol=1e-5)
+  np.testing.assert_allclose(got, (loss * mask).sum() / (B * (horizon or T)), rtol=1e-5)
+  # A batch that leaves out masked rows (compaction) and says which B it stands for keeps the value.
+  kept = mask.sum(-1) > 0
+  num, den = P.aggregate_parts(jnp.asarray(loss[kept]), jnp.asarray(mask[kept]), "seq-mean-token-sum-norm",
+                               norm_rows=B, horizon=horizon)
+  np.testing.assert_allclose(float(num / den), got, rtol=1e-5)
 
 
 def test_adaptive_kl():

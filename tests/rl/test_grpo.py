@@ -141,9 +141,9 @@ def test_without_a_kl_term_the_reference_runs_only_where_the_kl_is_reported(tmp_
 
 
 def test_mini_batch_normaliser_is_the_mini_batch(tmp_path):
-  """seq-mean-token-sum-norm divides each update's token sums by the response length, once per mini-batch (Dr.
-  GRPO): with a negligible learning rate (the samples and on-policy ratios stay those of the first run), two
-  mini-batches' mean pg_loss is half the single batch's, the two halves of the same token sums."""
+  """seq-mean-token-sum-norm divides each update's token sums by the mini-batch's rows x the response length (Dr.
+  GRPO as verl and TRL now): with a negligible learning rate (the samples and on-policy ratios stay those of the
+  first run), two mini-batches' mean pg_loss equals the single batch's (were B the step's rows, it would be half)."""
   common = ("--config.grpo.agg=seq-mean-token-sum-norm", "--config.optim.lr=1e-12", "--config.train.steps=2",
             "--config.grpo.eval_examples=0")
   losses = {}
@@ -152,7 +152,7 @@ def test_mini_batch_normaliser_is_the_mini_batch(tmp_path):
     losses[mb] = [r["actor/pg_loss"] for r in map(json.loads, open(tmp_path / f"mb{mb}" / "metrics.jsonl"))
                   if "actor/pg_loss" in r]
   assert abs(losses[1][-1]) > 1e-3, losses  # a step whose token sums do not cancel
-  np.testing.assert_allclose(losses[2], np.asarray(losses[1]) / 2, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(losses[2], losses[1], rtol=1e-4, atol=1e-6)
 
 
 def test_remax_advantages_subtract_the_greedy_reward():
