@@ -13,15 +13,12 @@ import typing
 from typing import Any, Literal
 
 from jalign.data.layouts import Fields
+from jalign.errors import ConfigError
 from jalign.losses.dpo import PAIRED, REFERENCE_FREE
 from jalign.models.config import ModelConfig
 from jalign.models.lora import LoraConfig
 from jalign.models.sharding import DEFAULT_RULES
 from jalign.parallel.distributed import DistributedSection
-
-
-class ConfigError(ValueError):
-  pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from jalign import spm
+from jalign.errors import UserError
 
 # tokenizer.ggml.pre -> (split regex before byte-level mapping or None for GPT-2's own, digits one by one, NFC)
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -22,7 +23,7 @@ PRE = {"gpt-2": (None, False, False), "smollm": (None, True, False), "starcoder"
        "llama-bpe": (LLAMA3_SPLIT, False, False), "qwen2": (QWEN2_SPLIT, False, True)}
 
 
-class GgufTokenizerError(ValueError):
+class GgufTokenizerError(UserError):
   pass
 
 

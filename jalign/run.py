@@ -4,11 +4,18 @@ Parses and validates the config, then runs its task. Each task wires an objectiv
 """
 from __future__ import annotations
 
+import difflib
+import importlib.util
+import os
+import sys
+
 import jax
-from absl import app, logging
+import ml_collections
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jalign.config import ConfigError, RunConfig, to_dataclass, validate
+from jalign.config import RunConfig, to_dataclass, validate
+from jalign.errors import ConfigError, UserError
 from jalign.parallel import distributed
 from jalign.parallel.distributed import DistributedSection
 
@@ -42,7 +49,6 @@ def run_dpo(cfg: RunConfig) -> dict:
 
 def run_eval(cfg: RunConfig) -> dict:
   import json
-  import os
 
   from jalign.eval.policy import evaluate
   out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer, fields=cfg.data.fields())
@@ -61,16 +67,76 @@ TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo, "ppo": run_gr
          "dpo": run_dpo, "eval": run_eval}
 
 
+def _user_error(e: UserError):
+  """`error: <message>` on stderr and exit status 2, without the traceback (JALIGN_TRACEBACK=1 shows it) or the notes
+  libraries add to exceptions they pass on (Grain's)."""
+  if os.environ.get("JALIGN_TRACEBACK", "0") not in ("", "0"):
+    raise e
+  print(f"error: {e}", file=sys.stderr, flush=True)
+  distributed.shutdown()
+  raise SystemExit(2) from None
+
+
+def _flag_message(argv: list[str], e: Exception) -> str:
+  """What a rejected command line got wrong: the config file's own error, or the --config.key it does not have."""
+  text = str(e.args[0]) if isinstance(e, (KeyError, AttributeError)) and e.args else str(e)
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+  if "Error whilst parsing config file" in text:  # ml_collections wraps the file's traceback: keep its last line
+    return f"--config={spec}: {text.strip().splitlines()[-1].split(': ', 1)[-1]}"
+  try:
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_config_file", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+  except Exception:  # noqa: BLE001 - the file's own failure is reported by the flag itself
+    return text
+  for flag in argv[1:]:
+    keys = flag[2:].split("=", 1)[0].split(".") if flag.startswith("--config.") else []
+    node = config
+    for depth, key in enumerate(keys[1:], 1):
+      if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+        where = ".".join(keys[:depth])
+        accepted = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        close = difflib.get_close_matches(key, accepted, n=1)
+        return (f"{flag.split('=', 1)[0]}: {spec} has no key {where}.{key}"
+                + (f" (did you mean {where}.{close[0]}?)" if close else "")
+                + (f"; keys of {where}: {', '.join(accepted)}" if accepted else f"; {where} is a value"))
+      node = node[key]
+  return text
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing; a command line it rejects (an unknown or mistyped --config.key, a config file that
+  raises) is a user error."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # noqa: BLE001 - ml_collections raises KeyError, AttributeError, ValueError, flags.Error
+    _user_error(ConfigError(_flag_message(argv, e)))
+
+
 def main(argv):
+  """Runs the config's task. A `UserError` (config, data, checkpoint, tokenizer, prompt, reward) ends it with
+  `error: <message>` and exit status 2 (`_user_error`); any other exception keeps its traceback."""
+  try:
+    _main(argv)
+  except UserError as e:
+    _user_error(e)
+
+
+def _main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if logging.get_verbosity() == logging.INFO:  # keep library INFO chatter (orbax) off the console unless -v
     logging.set_verbosity(logging.WARNING)
   if _CONFIG.value is None:
     raise app.UsageError("--config=configs/<task>.py is required")
+  try:
+    is_pipeline = _CONFIG.value.get("task") == "pipeline"
+  except OSError as e:  # a config file that does not load: ml_collections reports it on first use
+    raise ConfigError(f"--config: the config file does not load: {str(e).strip().splitlines()[-1].strip()}") from e
   from jalign.train.loop import NonFiniteError
   from jalign.train.preemption import EXIT_CODE, Preempted
-  is_pipeline = _CONFIG.value.get("task") == "pipeline"
   try:  # the multi-process runtime first: the device count below is the global one
     section = to_dataclass(DistributedSection, _CONFIG.value.get("distributed", {}), "config.distributed")
     distributed.initialize(section)
@@ -79,8 +145,10 @@ def main(argv):
       pipeline.stage_configs(_CONFIG.value, jax.device_count())  # every stage's config checked before any runs
     else:
       cfg = validate(_CONFIG.value, jax.device_count())
-  except (ConfigError, ValueError) as e:
-    raise SystemExit(f"config error: {e}") from None
+  except UserError:
+    raise
+  except ValueError as e:  # the config's checks (ml_collections' and the sections' own) name the key
+    raise ConfigError(str(e)) from e
   try:
     final = pipeline.run(_CONFIG.value, jax.device_count()) if is_pipeline else TASKS[cfg.task](cfg)
   except NonFiniteError as e:
@@ -100,4 +168,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

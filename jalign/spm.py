@@ -20,12 +20,14 @@ import struct
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from jalign.errors import UserError
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 UNIGRAM, BPE = 1, 2
 SPACE = "\u2581"
 
 
-class SpmError(ValueError):
+class SpmError(UserError):
   pass
 
 

@@ -19,13 +19,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from jalign import gguf_tokenizer, spm
+from jalign.errors import UserError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
          "chat_template.json")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
   """A tokenizer or chat template that cannot be used; the message names the file (and line)."""
 
 

@@ -1,6 +1,6 @@
 """Hostile and malformed inputs, end to end through the tasks `python -m jalign.run` runs: data files, configs,
-tokenizers, chat templates and checkpoints. Every case ends in a clear error (an exception type of ours or a
-ValueError, with a message naming what and where) or a counted skip; none hangs (a deadline per case) or leaves a
+tokenizers, chat templates and checkpoints. Every case ends in a clear error (a `UserError`, with a message
+naming what and where) or a counted skip; none hangs (a deadline per case) or leaves a
 partially written output (no HF export, no half-written files) behind."""
 import contextlib
 import json
@@ -8,6 +8,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -16,8 +18,9 @@ import safetensors.numpy
 
 import jalign
 from jalign.config import validate
+from jalign.errors import UserError
 from jalign.run import TASKS
-from tests.configs_util import config_dict
+from tests.configs_util import ROOT, config_dict
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
 POLICY = os.path.join(ASSETS, "tiny_policy")
@@ -209,9 +212,39 @@ def test_hostile_input(tmp_path, name, config, build, expected):
       cfg = validate(values, jax.device_count())
       TASKS[cfg.task](cfg)
   error = info.value
-  # Ours all derive from ValueError; a missing file is a FileNotFoundError naming it.
-  assert isinstance(error, (ValueError, FileNotFoundError)), f"{type(error).__name__}: {error}"
+  # A user's error, which `python -m jalign.run` ends with its message and exit status 2 (see the black-box test).
+  assert isinstance(error, UserError), f"{type(error).__name__}: {error}"
   assert re.search(expected, str(error), flags=re.DOTALL), str(error)
   assert not os.path.exists(run_dir / "hf")
   for root, _, files in os.walk(tmp_path):
     assert not [f for f in files if f.endswith((".tmp", ".partial"))], (root, files)
+
+
+# Through the command line: a user's error is `error: <message>` on stderr and exit status 2, with no traceback and
+# none of the notes libraries attach (Grain's); JALIGN_TRACEBACK=1 shows the traceback.
+CLI_CASES = ["bad_json", "missing_file", "config_unknown_key", "config_wrong_type", "template_python_internals",
+             "ckpt_pickle_only", "ckpt_truncated", "ckpt_remote_code"]
+
+
+def _cli(tmp_path, name, env=None):
+  _, config, build, expected = next(c for c in CASES if c[0] == name)
+  flags = [f"--config.{k.replace('__', '.')}={v}" for k, v in build(tmp_path).items()]
+  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/{config}.py:tiny",
+         f"--config.run_dir={tmp_path / 'run'}", "--config.train.steps=2", "--config.log.progress=False", *flags]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+  return proc, expected
+
+
+@pytest.mark.parametrize("name", CLI_CASES)
+def test_user_errors_end_cleanly_on_the_command_line(tmp_path, name):
+  proc, expected = _cli(tmp_path, name)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and re.search(expected, errors[0]), proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr and "grain" not in proc.stderr.lower(), proc.stderr[-3000:]
+  assert not os.path.exists(tmp_path / "run" / "hf")
+
+
+def test_jalign_traceback_shows_the_traceback(tmp_path):
+  proc, _ = _cli(tmp_path, "bad_json", env={"JALIGN_TRACEBACK": "1"})
+  assert proc.returncode != 0 and "Traceback" in proc.stderr and "DataError" in proc.stderr, proc.stderr[-3000:]

@@ -47,6 +47,12 @@ def test_help(script):
   assert "--dry-run" in proc.stdout
 
 
+def test_worker_loop_help():
+  proc = subprocess.run(["bash", "tpu_scripts/worker_loop.sh", "--help"], capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 0 and proc.stdout.startswith("Usage: tpu_scripts/worker_loop.sh MAX_RESTARTS"), proc
+  assert not os.path.exists(os.path.join(ROOT, "logs", "exit_status"))  # help only: no run, no status written
+
+
 def test_create_on_demand_spot_and_queued():
   assert _commands("create") == [["gcloud", "compute", "tpus", "tpu-vm", "create", "demo", "--zone=us-west4-a",
                                   "--accelerator-type=v5litepod-8", "--version=v2-alpha-tpuv5-lite"]]
@@ -157,9 +163,9 @@ def test_worker_loop_restarts_after_preemption_and_kills_but_not_after_errors(tm
   assert proc.returncode == 0 and status == "0", proc.stdout
   assert proc.stdout.count("args -m jalign.run --x") == 3
   assert "restart 1 of 3" in proc.stdout and "restart 2 of 3" in proc.stdout
-  # A config error (1) is not retried; repeated preemptions stop at --max-restarts.
-  proc, status = _worker_loop(tmp_path / "b", "exit 1\n", 3)
-  assert proc.returncode == 1 and status == "1" and "restart" not in proc.stdout
+  # A user error (2) is not retried; repeated preemptions stop at --max-restarts.
+  proc, status = _worker_loop(tmp_path / "b", "exit 2\n", 3)
+  assert proc.returncode == 2 and status == "2" and "restart" not in proc.stdout
   proc, status = _worker_loop(tmp_path / "c", "exit 143\n", 2)
   assert proc.returncode == 143 and status == "143" and "restart 2 of 2" in proc.stdout
 

@@ -5,13 +5,27 @@
 # Usage: tpu_scripts/worker_loop.sh MAX_RESTARTS ARGS...
 #
 # Exit status 143 (jalign saved its state on SIGTERM) or any death by a signal (>128: SIGKILL from the OOM killer,
-# a lost peer's abort) starts the same command again, at most MAX_RESTARTS times. 0 (finished) and 1-2 (a config or
-# data error, which a restart would only repeat) end the loop. logs/run.pid holds this loop's process group;
-# logs/exit_status the final status, written when the loop ends (tpu_scripts/status.sh and supervise.sh read both).
+# a lost peer's abort) starts the same command again, at most MAX_RESTARTS times. 0 (finished), 1 (stopped: a
+# non-finite loss) and 2 (a user error, which a restart would only repeat) end the loop. logs/run.pid holds this
+# loop's process group; logs/exit_status the final status, written when the loop ends (tpu_scripts/status.sh and
+# supervise.sh read both).
 set -uo pipefail
+usage() {
+  echo "Usage: tpu_scripts/worker_loop.sh MAX_RESTARTS ARGS...
+
+Runs python3 -m jalign.run ARGS... from the checkout's root and starts it again after a preemption or a kill
+(status 143 or above 128), at most MAX_RESTARTS times; 0 (finished), 1 (stopped) and 2 (a user error: config, data,
+checkpoint) end it. launch.sh starts it on every worker; logs/exit_status holds the final status.
+
+  -h, --help   this help"
+}
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  usage
+  exit 0
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 [[ "${1:-}" =~ ^[0-9]+$ ]] || {
-  echo "worker_loop.sh: first argument: the most restarts (a number)" >&2
+  echo "worker_loop.sh: first argument: the most restarts (a number); see --help" >&2
   exit 2
 }
 max_restarts=$1

@@ -24,7 +24,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from jalign.data.errors import DataError
+from jalign.errors import DataError
 from jalign.rl.rewards import extract_boxed, extract_gsm8k
 
 

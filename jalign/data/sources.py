@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jalign.data.errors import DataError
+from jalign.errors import DataError
 from jalign.data.layouts import Fields, MappedSource
 
 

@@ -22,6 +22,7 @@ from jalign.config import EvalSection
 from jalign.data import preference, sft as sft_data
 from jalign.data.layouts import Fields
 from jalign.data.sources import DataError, open_source
+from jalign.errors import ConfigError
 from jalign.eval import ranking
 from jalign.models.sharding import to_host
 from jalign.objectives import grpo as grpo_objective, sft as sft_objective
@@ -193,9 +194,9 @@ def load_prompts(e: EvalSection, tok, max_prompt_length: int, fields: Fields = F
 def evaluate(e: EvalSection, path: str, *, tokenizer: str = "", fields: Fields = Fields()) -> dict[str, float]:
   """Every metric the section asks for, for the HF checkpoint at `path` (see the module doc)."""
   if e.metric not in REGISTRY or e.metric not in NEEDS_GROUND_TRUTH:
-    raise ValueError(f"eval.metric={e.metric!r}: accepted verifiers: {', '.join(sorted(NEEDS_GROUND_TRUTH))}")
+    raise ConfigError(f"eval.metric={e.metric!r}: accepted verifiers: {', '.join(sorted(NEEDS_GROUND_TRUTH))}")
   if e.num_samples and any(k > e.num_samples for k in e.pass_k):
-    raise ValueError(f"eval.pass_k={e.pass_k}: every k must be <= eval.num_samples={e.num_samples}")
+    raise ConfigError(f"eval.pass_k={e.pass_k}: every k must be <= eval.num_samples={e.num_samples}")
   tok = tokenizer_lib.load(tokenizer or path)
   lm = models.from_pretrained(path, dtype="float32")
   max_prompt = lm.cfg.max_position_embeddings - e.max_new_tokens
@@ -222,7 +223,7 @@ def evaluate(e: EvalSection, path: str, *, tokenizer: str = "", fields: Fields =
     judge = e.judge if e.judge != "auto" else ("reward_model" if e.reward_model else "verifier")
     if judge == "reward_model":
       if not e.reward_model:
-        raise ValueError("eval.judge='reward_model' needs eval.reward_model")
+        raise ConfigError("eval.judge='reward_model' needs eval.reward_model")
       mine, theirs = rm_greedy, reward_scores(e.reward_model, ref_greedy, tok.pad_id)
     else:
       mine, theirs = correct, verify(e.metric, ref_greedy)

@@ -1,10 +1,10 @@
 """Decoder LM (Flax NNX), scalar heads, and Hugging Face checkpoints in and out."""
-from jalign.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config, to_hf_config
+from jalign.errors import CheckpointError, ConfigError
+from jalign.models.config import ModelConfig, RopeConfig, from_hf_config, to_hf_config
 from jalign.models.decoder import Decoder, KVCache, create
 from jalign.models.heads import ScalarHead
 from jalign.models.hf import (architectures, from_pretrained, is_sequence_classifier, load_sequence_classifier,
                               save_pretrained)
-from jalign.models.safetensors_io import CheckpointError
 from jalign.models.sharding import (DEFAULT_RULES, logical_axes, logical_to_spec, make_mesh, named_sharding,
                                     state_shardings, without_fsdp)
 

@@ -13,16 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from jalign.errors import CheckpointError, ConfigError
 from jalign.kernels.attn import IMPLS as ATTENTION_IMPLS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "gelu": "gelu"}
-
-
-class ConfigError(ValueError):
-  """A model config that jalign cannot honour; the message names the key and what is accepted."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +296,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 def load_hf_config(path: str) -> tuple[ModelConfig, dict]:
   file = os.path.join(path, "config.json")
   if not os.path.exists(file):
-    raise FileNotFoundError(f"{file}: no config.json in the checkpoint directory {path!r}")
+    raise CheckpointError(f"{file}: no config.json in the checkpoint directory {path!r}")
   try:
     with open(file, encoding="utf-8") as f:
       raw = json.load(f)

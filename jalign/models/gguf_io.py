@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from jalign.models.safetensors_io import CheckpointError
+from jalign.errors import CheckpointError
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}   # GGUF general.architecture -> model_type
 _PERMUTED = {"llama"}   # q/k rows interleaved for llama.cpp's RoPE

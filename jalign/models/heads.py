@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jalign.errors import ConfigError
 from jalign.models.sharding import AXES
 
 
@@ -15,7 +16,7 @@ class ScalarHead(nnx.Module):
   def __init__(self, hidden_size: int, *, kind: str = "linear", mlp_size: int | None = None, bias: bool = True,
                param_dtype: str = "float32", rngs: nnx.Rngs):
     if kind not in ("linear", "mlp"):
-      raise ValueError(f"head kind {kind!r}; accepted: 'linear', 'mlp'")
+      raise ConfigError(f"head kind {kind!r}; accepted: 'linear', 'mlp'")
     self.kind = kind
     zeros = lambda n: nnx.Param(jnp.zeros((n,), param_dtype), **{AXES: (None,)})
     width = hidden_size

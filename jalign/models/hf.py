@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jalign.errors import CheckpointError, ConfigError
 from jalign.models import lora
 from jalign.models import safetensors_io as st
 from jalign.models.config import ModelConfig, from_hf_config, load_hf_config, to_hf_config
@@ -26,7 +27,6 @@ from jalign.models.gguf_io import GgufFile
 from jalign.models.decoder import Decoder
 from jalign.models import sharding
 from jalign.models.sharding import DEFAULT_RULES, state_shardings
-from jalign.models.safetensors_io import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 
@@ -280,7 +280,7 @@ def _parse_size(size: int | str) -> int:
     return size
   m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", size.upper())
   if not m:
-    raise ValueError(f"max_shard_size {size!r}: expected bytes as an int or a string like '5GB' or '500MiB'")
+    raise ConfigError(f"max_shard_size {size!r}: expected bytes as an int or a string like '5GB' or '500MiB'")
   return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
@@ -297,9 +297,9 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   if score is not None:
     score = sharding.to_host(score).astype(np.float32).reshape(-1)
     if score.shape != (cfg.hidden_size,):
-      raise ValueError(f"score weight has shape {score.shape}, expected ({cfg.hidden_size},)")
+      raise CheckpointError(f"score weight has shape {score.shape}, expected ({cfg.hidden_size},)")
     if cfg.pad_token_id is None:
-      raise ValueError("a sequence-classification checkpoint needs pad_token_id in the model config (transformers "
+      raise CheckpointError("a sequence-classification checkpoint needs pad_token_id in the model config (transformers "
                        "finds each row's last token by it)")
   dtype = jnp.dtype(dtype or cfg.param_dtype)
   os.makedirs(out_dir, exist_ok=True)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jalign.errors import ConfigError
 from jalign.models.sharding import AXES
 
 # jalign projection -> (its Hugging Face module name, number of leading input dims of the weight after `layers`)
@@ -55,7 +56,7 @@ def resolve_targets(patterns: tuple[str, ...]) -> tuple[str, ...]:
               if pattern == name or any(re.fullmatch(pattern, form) for form in (hf, hf.split(".")[-1]))]
     if not hits:
       accepted = ", ".join(hf.split(".")[-1] for hf, _ in PROJECTIONS.values())
-      raise ValueError(f"LoRA target {pattern!r} matches no projection; accepted: 'all-linear', {accepted} (or "
+      raise ConfigError(f"LoRA target {pattern!r} matches no projection; accepted: 'all-linear', {accepted} (or "
                        "the jalign names q, k, v, o, gate, up, down, or a regex over them)")
     chosen.extend(h for h in hits if h not in chosen)
   return tuple(name for name in PROJECTIONS if name in chosen)
@@ -64,7 +65,7 @@ def resolve_targets(patterns: tuple[str, ...]) -> tuple[str, ...]:
 def add_adapters(lm, cfg: LoraConfig, *, seed: int = 0):
   """Adds fresh adapters to `lm` (a Decoder) in place and returns it. The layers remember `cfg` (static)."""
   if cfg.rank <= 0 or cfg.alpha <= 0 or not 0 <= cfg.dropout < 1:
-    raise ValueError(f"LoRA rank={cfg.rank}, alpha={cfg.alpha}, dropout={cfg.dropout}: rank and alpha must be "
+    raise ConfigError(f"LoRA rank={cfg.rank}, alpha={cfg.alpha}, dropout={cfg.dropout}: rank and alpha must be "
                      "positive, 0 <= dropout < 1")
   layers = lm.layers
   if getattr(layers, "lora", None) is not None:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jalign.errors import CheckpointError
 from jalign.models.decoder import Decoder
 from jalign.models.heads import ScalarHead
 from jalign.models.hf import load_sequence_classifier
@@ -74,12 +75,12 @@ def ensemble_members(path: str) -> list[tuple[str, float]]:
     members = json.load(open(file, encoding="utf-8"))["members"]
     out = [(os.path.join(path, str(m["path"])), float(m["weight"])) for m in members]
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise ValueError(f'{file}: expected {{"members": [{{"path": DIR, "weight": NUMBER}}, ...]}} ({e!r})') from None
+    raise CheckpointError(f'{file}: expected {{"members": [{{"path": DIR, "weight": NUMBER}}, ...]}} ({e!r})') from None
   if not out or not all(math.isfinite(w) for _, w in out):
-    raise ValueError(f"{file}: needs at least one member, each with a finite weight")
+    raise CheckpointError(f"{file}: needs at least one member, each with a finite weight")
   for d, _ in out:
     if not os.path.isfile(os.path.join(d, "config.json")):
-      raise ValueError(f"{file}: member {d!r} is not an HF checkpoint directory (no config.json)")
+      raise CheckpointError(f"{file}: member {d!r} is not an HF checkpoint directory (no config.json)")
   return out
 
 

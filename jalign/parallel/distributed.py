@@ -22,6 +22,7 @@ import os
 
 import jax
 
+from jalign.errors import ConfigError
 from jalign.models import sharding
 
 
@@ -71,7 +72,7 @@ def initialize(section: DistributedSection) -> bool:
       return False
   elif section.coordinator_address:
     if section.num_processes < 1 or not 0 <= section.process_id < section.num_processes:
-      raise ValueError(f"distributed.coordinator_address={section.coordinator_address!r} needs num_processes >= 1 "
+      raise ConfigError(f"distributed.coordinator_address={section.coordinator_address!r} needs num_processes >= 1 "
                        f"and 0 <= process_id < num_processes (got {section.num_processes}, {section.process_id})")
     jax.distributed.initialize(coordinator_address=section.coordinator_address,
                                num_processes=section.num_processes, process_id=section.process_id,

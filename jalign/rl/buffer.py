@@ -9,6 +9,8 @@ import json
 import os
 import re
 
+from jalign.errors import ConfigError, DataError
+
 FORMATS = ("parquet", "arrayrecord")
 _PART = re.compile(r"part-(\d{6})\.(parquet|arrayrecord)$")
 FIELDS = ("prompt_index", "group_id", "sample", "prompt_ids", "response_ids", "behaviour_logprobs", "reward",
@@ -18,7 +20,7 @@ FIELDS = ("prompt_index", "group_id", "sample", "prompt_ids", "response_ids", "b
 class BufferWriter:
   def __init__(self, directory: str, fmt: str = "parquet"):
     if fmt not in FORMATS:
-      raise ValueError(f"buffer format {fmt!r}; accepted: {', '.join(FORMATS)}")
+      raise ConfigError(f"buffer format {fmt!r}; accepted: {', '.join(FORMATS)}")
     self.directory, self.fmt = directory, fmt
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):  # leftovers of a part that was being written when a run died
@@ -58,7 +60,7 @@ def _schema():
 def part_files(directory: str) -> list[str]:
   names = sorted(n for n in os.listdir(directory) if _PART.match(n))
   if not names:
-    raise FileNotFoundError(f"{directory}: no buffer parts (part-NNNNNN.parquet / .arrayrecord)")
+    raise DataError(f"{directory}: no buffer parts (part-NNNNNN.parquet / .arrayrecord)")
   return [os.path.join(directory, n) for n in names]
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import models
+from jalign.errors import ConfigError
 from jalign.objectives.reward import load_scorers
 
 
@@ -41,6 +42,6 @@ class ModelReward:
     tokens = np.concatenate([prompt_ids, response], axis=1).astype(np.int32)
     segment = np.concatenate([prompt_mask, np.arange(response.shape[1])[None] < lengths[:, None]], axis=1)
     if tokens.shape[1] > self.max_length:
-      raise ValueError(f"reward model {self.path}: {tokens.shape[1]} prompt + completion positions exceed its "
+      raise ConfigError(f"reward model {self.path}: {tokens.shape[1]} prompt + completion positions exceed its "
                        f"max_position_embeddings={self.max_length}")
     return np.asarray(self._score(self.params, jnp.asarray(tokens), jnp.asarray(segment.astype(np.int32))))

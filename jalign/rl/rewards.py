@@ -14,8 +14,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jalign.errors import UserError
 
-class RewardError(ValueError):
+
+class RewardError(UserError):
   """Unknown reward name, bad weights, or a record without the ground truth its reward needs."""
 
 

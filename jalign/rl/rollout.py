@@ -9,11 +9,12 @@ import numpy as np
 
 from jalign import sampling
 from jalign.data.layouts import NAMES
+from jalign.errors import UserError
 from jalign.rl.rewards import Batch, RewardSpec
 from jalign.tokenizer import Tokenizer
 
 
-class PromptError(ValueError):
+class PromptError(UserError):
   """A prompt record that cannot be used; the message names the record."""
 
 

@@ -18,6 +18,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from jalign.errors import CheckpointError
+
 
 class Checkpointer:
   def __init__(self, directory: str, *, keep: int, async_save: bool = True):
@@ -83,7 +85,7 @@ class Checkpointer:
       return None
     names = [n for n in os.listdir(directory) if re.fullmatch(r"process_\d+-of-\d+\.json", n)]
     if not names:
-      raise FileNotFoundError(f"{directory}: no data-reader state (process_*-of-*.json)")
+      raise CheckpointError(f"{directory}: no data-reader state (process_*-of-*.json)")
     return [json.load(open(os.path.join(directory, n), encoding="utf-8")) for n in sorted(names)]
 
   def wait(self) -> None:

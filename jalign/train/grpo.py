@@ -24,6 +24,7 @@ from jalign import models, parallel, sampling
 from jalign.parallel import distributed
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
+from jalign.errors import DataError
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
@@ -87,11 +88,11 @@ class OfflineBuffer:
     self.max_new, self.directory = max_new, directory
     for members in self.groups:
       if len(members) != num_samples:
-        raise ValueError(f"{directory}: group {members[0]['group_id']} has {len(members)} completions, "
+        raise DataError(f"{directory}: group {members[0]['group_id']} has {len(members)} completions, "
                          f"sampling.num_samples is {num_samples} (filtered buffers need a matching group size)")
       longest = max(len(m["response_ids"]) for m in members)
       if longest > max_new:
-        raise ValueError(f"{directory}: group {members[0]['group_id']} has a {longest}-token response, longer than "
+        raise DataError(f"{directory}: group {members[0]['group_id']} has a {longest}-token response, longer than "
                          f"sampling.max_new_tokens={max_new}; set sampling.max_new_tokens to at least the rollout's "
                          f"(here >= {longest}), or write the buffer with the training run's")
 

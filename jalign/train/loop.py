@@ -22,6 +22,7 @@ from jalign.config import RunConfig, as_dict
 from jalign.models import lora
 from jalign.data import pipeline
 from jalign.data.sources import open_source
+from jalign.errors import ConfigError
 from jalign.train import optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_host
@@ -124,7 +125,7 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   if cfg.model.lora.rank:
     lora.add_adapters(getattr(lm, "backbone", lm), cfg.model.lora, seed=cfg.seed)
   if tok.vocab_size > lm.cfg.vocab_size:
-    raise ValueError(f"tokenizer {cfg.tokenizer or cfg.model.path} has {tok.vocab_size} tokens, more than the "
+    raise ConfigError(f"tokenizer {cfg.tokenizer or cfg.model.path} has {tok.vocab_size} tokens, more than the "
                      f"model's vocab_size {lm.cfg.vocab_size}")
   graphdef, params = nnx.split(lm)
   params = nnx.to_pure_dict(params)

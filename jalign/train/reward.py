@@ -24,6 +24,7 @@ from jalign import models
 from jalign import tokenizer as tokenizer_lib
 from jalign.config import RunConfig
 from jalign.data import preference
+from jalign.errors import ConfigError
 from jalign.eval import policy as policy_eval, ranking
 from jalign.objectives import reward as objective
 from jalign.parallel.distributed import is_main, say
@@ -36,7 +37,7 @@ def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
   knobs = m.knobs()
   if m.path and models.is_sequence_classifier(m.path):
     if r.head != "linear":
-      raise ValueError(f"{m.path} is a sequence classifier with a linear score head; config.rm.head={r.head!r}")
+      raise ConfigError(f"{m.path} is a sequence classifier with a linear score head; config.rm.head={r.head!r}")
     backbone, score = models.load_sequence_classifier(m.path, dtype=m.dtype, mesh=mesh, rules=cfg.mesh.rules,
                                                       compute_dtype=m.compute_dtype or m.dtype, **knobs)
     return objective.RewardModel.from_classifier(backbone, score)
