@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jalign.parallel import fit
+from jalign.train import fit
 from tests.configs_util import ROOT, run_config
 
 
@@ -37,7 +37,7 @@ def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
   out = tmp_path / "fit.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
-      [sys.executable, "-m", "jalign.parallel.fit", "--config=configs/grpo.py", "--arch=llama3-8b", "--devices=16",
+      [sys.executable, "-m", "jalign.train.fit", "--config=configs/grpo.py", "--arch=llama3-8b", "--devices=16",
        "--config.mesh.shape=(1,16,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
        "--config.train.batch_size=16", "--hbm_gib=95", f"--json={out}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

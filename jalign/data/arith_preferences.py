@@ -29,7 +29,7 @@ import os
 import numpy as np
 
 from jalign.data import synthetic
-from jalign.rl.rewards import extract_gsm8k, parse_number
+from jalign.data.answers import extract_gsm8k, parse_number
 
 UNREADABLE = -8.0
 SPLIT_SIZES = {"train": 10_000, "test": 500}
@@ -128,7 +128,7 @@ def _sample_policy(base: list[dict], policy_dir: str, *, samples: int, seed: int
 
   from jalign import models, sampling
   from jalign import tokenizer as tokenizer_lib
-  from jalign.rl.rollout import encode_prompt, left_pad
+  from jalign.data.prompts import encode_prompt, left_pad
 
   lm = models.from_pretrained(policy_dir)
   tok = tokenizer_lib.load(policy_dir)

@@ -25,7 +25,7 @@ import re
 from typing import Callable
 
 from jalign.errors import DataError
-from jalign.rl.rewards import extract_boxed, extract_gsm8k
+from jalign.data.answers import extract_boxed, extract_gsm8k
 
 
 

@@ -15,8 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jalign.errors import DataError
+from jalign.data import synthetic
 from jalign.data.layouts import Fields, MappedSource
+from jalign.errors import DataError
 
 
 def _read_bytes(path: str) -> bytes:
@@ -326,9 +327,11 @@ def _open(spec: str) -> Any:
     body, _, data_dir = spec[len("tfds:"):].partition("@")
     name, _, split = body.partition(":")
     return TfdsSource(name, split or "train", data_dir or None)
-  if spec.startswith("synthetic:"):
-    from jalign.data import synthetic
-    return synthetic.source(spec[len("synthetic:"):])
+  if spec.startswith("synthetic:"):  # synthetic:arith[:SPLIT[:N]]
+    task, split, n = (spec[len("synthetic:"):].split(":") + ["train", ""])[:3]
+    if task != "arith":
+      raise DataError(f"synthetic task {task!r}; available: arith")
+    return ListSource(synthetic.records(split, int(n) if n else None), name=f"synthetic:arith:{split}")
   sources = []
   for part in spec.split(","):
     files = sorted(glob.glob(part.strip())) if any(c in part for c in "*?[") else [part.strip()]

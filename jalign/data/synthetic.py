@@ -16,7 +16,8 @@ import zlib
 
 import numpy as np
 
-from jalign.data.sources import DataError, ListSource
+from jalign.errors import DataError
+
 
 OPS = ("+", "-")
 MAX_OPERAND = 100
@@ -53,16 +54,6 @@ def records(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
     out.append({"prompt": prompt, "answer": answer,
                 "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"#### {answer}"}]})
   return out
-
-
-def source(spec: str):
-  """`arith[:SPLIT[:N]]` -> an in-memory source."""
-  parts = spec.split(":")
-  if parts[0] != "arith":
-    raise DataError(f"synthetic task {parts[0]!r}; available: arith")
-  split = parts[1] if len(parts) > 1 else "train"
-  n = int(parts[2]) if len(parts) > 2 else None
-  return ListSource(records(split, n), name=f"synthetic:arith:{split}")
 
 
 CHAT_TEMPLATE = (

@@ -27,7 +27,7 @@ from jalign.eval import ranking
 from jalign.models.sharding import to_host
 from jalign.objectives import grpo as grpo_objective, sft as sft_objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
-from jalign.rl.rollout import Prompt, encode_prompt, left_pad
+from jalign.data.prompts import Prompt, encode_prompt, left_pad
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -140,7 +140,6 @@ def merge(lm):
   cfg = getattr(lm.layers, "lora", None)
   if cfg is None:
     return lm
-  from jalign.models.decoder import Decoder
   state = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
   layers = {k: v for k, v in state["layers"].items() if not is_adapter((k,))}
   for name in resolve_targets(cfg.targets):
@@ -149,7 +148,7 @@ def merge(lm):
     delta = jnp.einsum("lir,lro->lio", a.reshape(n_layers, -1, rank).astype(jnp.float32),
                        b.reshape(n_layers, rank, -1).astype(jnp.float32))
     layers[name] = (w.astype(jnp.float32) + cfg.scale * delta.reshape(w.shape)).astype(w.dtype)
-  abstract = nnx.eval_shape(lambda: Decoder(lm.cfg, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: type(lm)(lm.cfg, rngs=nnx.Rngs(0)))  # the same Decoder, built without adapters
   graphdef, plain = nnx.split(abstract)
   nnx.replace_by_pure_dict(plain, {**state, "layers": layers})
   return nnx.merge(graphdef, plain)

@@ -26,7 +26,7 @@ from jalign.data.sources import DataError, JsonlSource, open_source
 from jalign.eval.policy import accuracy
 from jalign.objectives import dpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH
-from jalign.rl.rollout import encode_prompt
+from jalign.data.prompts import encode_prompt
 from jalign.train import loop
 from jalign.train.preference import PreferenceTask
 

@@ -31,7 +31,7 @@ from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, Batch, RewardSpec
 from jalign.rl import buffer as buffer_lib
 from jalign.rl.monitors import Monitors
-from jalign.rl.rollout import Prompt, encode_prompt, left_pad
+from jalign.data.prompts import Prompt, encode_prompt, left_pad
 from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.critic import Critic

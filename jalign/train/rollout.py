@@ -15,7 +15,8 @@ from jalign import parallel
 from jalign.config import RunConfig, output_path, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.rl.buffer import BufferWriter
-from jalign.rl.rollout import PromptError, SamplingSpec, encode_prompt, rollout_batch
+from jalign.data.prompts import PromptError, encode_prompt
+from jalign.rl.rollout import SamplingSpec, rollout_batch
 from jalign.train.loop import load_model
 from jalign import tokenizer as tokenizer_lib
 

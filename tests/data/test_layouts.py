@@ -11,7 +11,7 @@ from jalign.data import layouts, preference, sft
 from jalign.data.layouts import Fields
 from jalign.data.sources import DataError, open_source
 from jalign.rl.rewards import REGISTRY, Batch
-from jalign.rl.rollout import PromptError, encode_prompt
+from jalign.data.prompts import PromptError, encode_prompt
 from tests import realdata
 
 GSM8K = {"question": "Natalia sold 48 clips in April and half as many in May. How many altogether?",

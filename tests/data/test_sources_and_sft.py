@@ -152,7 +152,7 @@ def test_skip_bad_records_counts_them(tmp_path, tok):
 
 
 def test_packing_keeps_every_token_once_with_segments(tok):
-  src = synthetic.source("arith:train:40")
+  src = open_source("synthetic:arith:train:40")
   enc = functools.partial(sft.encode, tok=tok, max_length=64)
   singles = [enc(src[i]) for i in range(len(src))]
   ds, _ = pipeline.build(src, enc, pipeline.PipelineSpec(batch_size=4, seq_len=64, shuffle=False, num_epochs=1,
@@ -169,7 +169,7 @@ def test_packing_keeps_every_token_once_with_segments(tok):
 
 
 def test_bucketed_padding(tok):
-  src = synthetic.source("arith:train:16")
+  src = open_source("synthetic:arith:train:16")
   enc = functools.partial(sft.encode, tok=tok, max_length=64)
   ds, _ = pipeline.build(src, enc, pipeline.PipelineSpec(batch_size=4, seq_len=64, packing=False,
                                                           buckets=(16, 32, 64), shuffle=False, num_epochs=1))
@@ -179,7 +179,7 @@ def test_bucketed_padding(tok):
 
 
 def test_iterator_state_resumes_exactly(tok):
-  src = synthetic.source("arith:train:300")
+  src = open_source("synthetic:arith:train:300")
   enc = functools.partial(sft.encode, tok=tok, max_length=64)
   spec = pipeline.PipelineSpec(batch_size=4, seq_len=64, seed=5)
   it = iter(pipeline.build(src, enc, spec)[0])

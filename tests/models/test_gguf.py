@@ -13,7 +13,7 @@ from flax import nnx
 from jalign import models, sampling, tokenizer
 from jalign.data.sources import open_source
 from jalign.models.safetensors_io import CheckpointError
-from jalign.rl.rollout import encode_prompt, left_pad
+from jalign.data.prompts import encode_prompt, left_pad
 from tests import realdata
 from tests.realdata import smollm2_hf  # noqa: F401  (the session fixture)
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jalign.rl import buffer
-from jalign.rl.rollout import PromptError
+from jalign.data.prompts import PromptError
 from tests.configs_util import ROOT, run_config
 
 

@@ -1,7 +1,7 @@
 """Ahead-of-time fit check: compile a config's train step for a mesh and report the bytes it needs per device,
 without allocating the model (every input is a `jax.ShapeDtypeStruct` with its sharding).
 
-    python -m jalign.parallel.fit --config=configs/grpo.py --arch=llama3-8b --devices=16 \
+    python -m jalign.train.fit --config=configs/grpo.py --arch=llama3-8b --devices=16 \
         --config.mesh.shape="(1,16,1)" --config.model.dtype=bfloat16 --hbm_gib=95
 
 `--devices` fakes that many host devices (the check runs on any machine, a laptop included); the figures are XLA's
@@ -15,7 +15,7 @@ optimizer bytes are exact.
 for that TPU slice instead, on any host with libtpu: the figures are then the TPU compiler's HBM per chip, its
 peak from its own buffer schedule, and a lower bound on the step time (model FLOPs at the chip's bf16 peak):
 
-    python -m jalign.parallel.fit --config=configs/sft.py --arch=llama3-8b --topology=v5p-8 \
+    python -m jalign.train.fit --config=configs/sft.py --arch=llama3-8b --topology=v5p-8 \
         --config.mesh.shape="(1,4,1)" --config.model.dtype=bfloat16 --config.model.remat=full \
         --config.train.batch_size=4 --config.train.seq_len=8192
 """
