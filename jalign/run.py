@@ -14,6 +14,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jalign import files
 from jalign.config import RunConfig, to_dataclass, validate
 from jalign.errors import ConfigError, UserError
 from jalign.parallel import distributed
@@ -48,16 +49,12 @@ def run_dpo(cfg: RunConfig) -> dict:
 
 
 def run_eval(cfg: RunConfig) -> dict:
-  import json
-
   from jalign.eval.policy import evaluate
   out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer, fields=cfg.data.fields())
   if distributed.is_main():
     os.makedirs(cfg.run_dir, exist_ok=True)
     path = os.path.join(cfg.run_dir, "eval.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      json.dump({"checkpoint": os.path.abspath(cfg.model.path), **out}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    files.write_json(path, {"checkpoint": os.path.abspath(cfg.model.path), **out}, indent=1)
     for k, v in out.items():
       print(f"{k}: {v:.4f}", flush=True)
   return out

@@ -18,7 +18,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from jalign import gguf_tokenizer, spm
+from jalign import files, gguf_tokenizer, spm
 from jalign.errors import UserError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -157,20 +157,14 @@ class Tokenizer:
     os.makedirs(out_dir, exist_ok=True)
     if os.path.isfile(self.source):
       config = dict(self.config)
-      _write(os.path.join(out_dir, "tokenizer.json"), self.tk.to_str())
-      _write(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=2, ensure_ascii=False))
+      files.write_text(os.path.join(out_dir, "tokenizer.json"), self.tk.to_str())
+      files.write_json(os.path.join(out_dir, "tokenizer_config.json"), config, indent=2, ensure_ascii=False)
       return
     for name in FILES:
       src = os.path.join(self.source, name)
       if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
-        shutil.copyfile(src, os.path.join(out_dir, name + ".tmp"))
-        os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
-
-
-def _write(path: str, text: str) -> None:
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
+        with files.atomic_path(os.path.join(out_dir, name)) as tmp:
+          shutil.copyfile(src, tmp)
 
 
 def load(path: str) -> Tokenizer:

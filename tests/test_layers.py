@@ -8,7 +8,7 @@ import jalign
 PACKAGE = os.path.dirname(jalign.__file__)
 # Lowest first. A module may import modules of its own layer's package and of lower layers.
 LAYERS = [
-    ("errors",),
+    ("errors", "files"),
     ("kernels", "spm"),
     ("models", "gguf_tokenizer"),
     ("tokenizer",),

@@ -28,6 +28,7 @@ import os
 
 import numpy as np
 
+from jalign import files
 from jalign.data import synthetic
 from jalign.data.answers import extract_gsm8k, parse_number
 
@@ -146,11 +147,9 @@ def _sample_policy(base: list[dict], policy_dir: str, *, samples: int, seed: int
 
 
 def write_jsonl(records: list[dict], path: str) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
+  with files.atomic_open(path) as f:
     for r in records:
       f.write(json.dumps(r) + "\n")
-  os.replace(tmp, path)
 
 
 def main():

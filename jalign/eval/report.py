@@ -16,6 +16,8 @@ import os
 import re
 import sys
 
+from jalign import files
+
 # metric name in metrics.jsonl -> label; the first present of each group is plotted
 CURVES = (
     ("loss", ("train/loss", "actor/loss")),
@@ -139,9 +141,9 @@ def plot_stage(name: str, rows: list[dict], out_png: str) -> list[str]:
   fig.suptitle(name)
   fig.tight_layout()
   os.makedirs(os.path.dirname(out_png), exist_ok=True)
-  fig.savefig(out_png + ".tmp.png", dpi=90)
+  with files.atomic_path(out_png, suffix=".tmp.png") as tmp:
+    fig.savefig(tmp, dpi=90)
   plt.close(fig)
-  os.replace(out_png + ".tmp.png", out_png)
   return [key for _, key, _, _ in panels]
 
 
@@ -181,9 +183,7 @@ def build(run_dir: str) -> str:
   for name, rel in figures:
     lines += [f"### {name}", "", f"![{name}]({rel})", ""]
   path = os.path.join(run_dir, "report.md")
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  os.replace(path + ".tmp", path)
+  files.write_text(path, "\n".join(lines) + "\n")
   return path
 
 

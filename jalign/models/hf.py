@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jalign import files
 from jalign.errors import CheckpointError, ConfigError
 from jalign.models import lora
 from jalign.models import safetensors_io as st
@@ -366,8 +367,4 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
 
 
 def _write_json(path: str, obj) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, path)
+  files.write_json(path, obj, indent=2, sort_keys=True)

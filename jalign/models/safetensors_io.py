@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
+from jalign import files
 from jalign.errors import CheckpointError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -85,19 +86,13 @@ def write_file(path: str, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype
     offset += nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as the reference writer does
-  tmp = path + ".tmp"
-  try:
-    with open(tmp, "wb") as f:
-      f.write(struct.pack("<Q", len(blob)))
-      f.write(blob)
-      for name, shape, dtype, produce in tensors:
-        arr = np.ascontiguousarray(produce(), dtype=dtype)
-        if arr.shape != tuple(shape):
-          raise CheckpointError(f"{path}: tensor {name!r} produced shape {arr.shape}, declared {tuple(shape)}")
-        f.write(arr.tobytes())
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  with files.atomic_open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for name, shape, dtype, produce in tensors:
+      arr = np.ascontiguousarray(produce(), dtype=dtype)
+      if arr.shape != tuple(shape):
+        raise CheckpointError(f"{path}: tensor {name!r} produced shape {arr.shape}, declared {tuple(shape)}")
+      f.write(arr.tobytes())
+    f.flush()
+    os.fsync(f.fileno())

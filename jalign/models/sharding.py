@@ -94,10 +94,13 @@ def state_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
                       nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def to_host(x) -> np.ndarray:
-  """A NumPy copy of `x`. An array with shards on other processes is gathered first: a collective, so every
-  process must make the same calls in the same order."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(jax.device_get(x))
+def to_host(tree):
+  """NumPy copies of an array or a tree of arrays: the one way jalign brings device values to the host. An array
+  with shards on other processes is gathered first: a collective, so every process must make the same calls in the
+  same order (a replicated array is read from a local copy)."""
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+      from jax.experimental import multihost_utils
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(one, tree)

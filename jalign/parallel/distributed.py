@@ -23,7 +23,6 @@ import os
 import jax
 
 from jalign.errors import ConfigError
-from jalign.models import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +105,3 @@ def say(text: str) -> None:
   """Prints on process 0 only (every process runs the same program and would say the same)."""
   if is_main():
     print(text, flush=True)
-
-
-def to_host(tree):
-  """NumPy copies of a tree of (possibly multi-process) arrays. A collective when some array has shards on other
-  processes: every process must call it, in the same order."""
-  return jax.tree.map(sharding.to_host, tree)

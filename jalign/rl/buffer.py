@@ -9,6 +9,7 @@ import json
 import os
 import re
 
+from jalign import files
 from jalign.errors import ConfigError, DataError
 
 FORMATS = ("parquet", "arrayrecord")
@@ -32,19 +33,18 @@ class BufferWriter:
 
   def write(self, part: int, records: list[dict]) -> str:
     path = os.path.join(self.directory, f"part-{part:06d}.{self.fmt}")
-    tmp = path + ".tmp"
-    if self.fmt == "parquet":
-      import pyarrow as pa
-      import pyarrow.parquet as pq
-      table = pa.Table.from_pylist(records, schema=_schema()) if records else _schema().empty_table()
-      pq.write_table(table, tmp)
-    else:
-      import array_record.python.array_record_module as ar
-      writer = ar.ArrayRecordWriter(tmp, "group_size:1")
-      for r in records:
-        writer.write(json.dumps(r).encode())
-      writer.close()
-    os.replace(tmp, path)
+    with files.atomic_path(path) as tmp:
+      if self.fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        table = pa.Table.from_pylist(records, schema=_schema()) if records else _schema().empty_table()
+        pq.write_table(table, tmp)
+      else:
+        import array_record.python.array_record_module as ar
+        writer = ar.ArrayRecordWriter(tmp, "group_size:1")
+        for r in records:
+          writer.write(json.dumps(r).encode())
+        writer.close()
     return path
 
 

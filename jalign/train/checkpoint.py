@@ -18,6 +18,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from jalign import files
 from jalign.errors import CheckpointError
 
 
@@ -130,10 +131,7 @@ def _files(directory: str) -> list[str]:
 
 def write_checksums(directory: str) -> None:
   sums = {f: _digest(os.path.join(directory, f)) for f in _files(directory)}
-  tmp = os.path.join(directory, CHECKSUMS + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(sums, f, indent=0)
-  os.replace(tmp, os.path.join(directory, CHECKSUMS))
+  files.write_json(os.path.join(directory, CHECKSUMS), sums, indent=0)
 
 
 def verify(directory: str) -> str | None:

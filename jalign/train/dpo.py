@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jalign import files
 from jalign import parallel
 from jalign.parallel import distributed
 from jalign.parallel.distributed import say
@@ -189,14 +190,12 @@ def _split_name(spec: str) -> str:
 def _write_with_logps(source, chosen: np.ndarray, rejected: np.ndarray, path: str) -> None:
   """The data plus reference log-prob columns, written to a temporary name and renamed (never half-written)."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
+  with files.atomic_open(path) as f:
     for i in range(len(source)):
       if not np.isfinite(chosen[i]):
         continue
       f.write(json.dumps({**source[i], "ref_chosen_logps": float(chosen[i]),
                           "ref_rejected_logps": float(rejected[i])}) + "\n")
-  os.replace(tmp, path)
 
 
 def run(cfg: RunConfig) -> dict:

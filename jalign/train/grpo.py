@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import models, parallel, sampling
-from jalign.parallel import distributed
+from jalign.models.sharding import to_host
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.errors import DataError
@@ -249,14 +249,14 @@ def run(cfg: RunConfig) -> dict:
                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                             stop_token_ids=(tok.eos_id,), num_samples=s.num_samples, pad_id=tok.pad_id, mesh=mesh,
                             rules=gen_rules)
-    response, lengths = distributed.to_host((out.tokens, out.lengths))
+    response, lengths = to_host((out.tokens, out.lengths))
     scores, rm_scores = score(prompts, ids, mask, response, lengths, s.num_samples)
     baselines = None
     if g.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
       greedy = sampling.generate(policy(state), ids, mask, gen_key, max_new_tokens=s.max_new_tokens,
                                  temperature=0.0, stop_token_ids=(tok.eos_id,), pad_id=tok.pad_id, mesh=mesh,
                                  rules=gen_rules)
-      baselines = np.repeat(score(prompts, ids, mask, *distributed.to_host((greedy.tokens, greedy.lengths)), 1)[0],
+      baselines = np.repeat(score(prompts, ids, mask, *to_host((greedy.tokens, greedy.lengths)), 1)[0],
                             s.num_samples)
     return Groups(prompts, s.num_samples, response, lengths, scores, None, rm_scores, baselines)
 
@@ -457,10 +457,10 @@ def _advantages(g, device_batch: dict, scores: np.ndarray, groups: np.ndarray, c
     metrics["critic/remax_baseline/mean"] = float(np.mean(baselines))
   extra = {}
   if critic is not None:
-    returns, values, m = distributed.to_host((returns, values, mask))
+    returns, values, m = to_host((returns, values, mask))
     extra = {"returns": returns.astype(np.float32), "old_values": values.astype(np.float32)}
     r, residual = returns[m > 0], (returns - values)[m > 0]
     metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r.var(), 1e-8)),
                     "critic/values/mean": float(values[m > 0].mean()), "critic/returns/mean": float(r.mean())})
   metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
-  return distributed.to_host(adv).astype(np.float32), extra, metrics
+  return to_host(adv).astype(np.float32), extra, metrics

@@ -25,7 +25,7 @@ from jalign.data.sources import open_source
 from jalign.errors import ConfigError
 from jalign.train import optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
-from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_host
+from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_floats
 from jalign.train.preemption import Preemption
 from jalign.train.step import TrainState, make_step
 
@@ -243,7 +243,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
   def flush(pending):
     nonlocal last_time
     step, dev_metrics, tokens, records = pending
-    m = to_host(dev_metrics)
+    m = to_floats(dev_metrics)
     if m.get("train/nonfinite", 0.0) > 0:
       if cfg.train.nonfinite == "stop":
         ckpt.wait()

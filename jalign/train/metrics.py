@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
 from jalign.config import LogSection
 from jalign.models.config import ModelConfig
+from jalign.models.sharding import to_host
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
@@ -113,5 +113,6 @@ class MetricsWriter:
       self._wandb.finish()
 
 
-def to_host(metrics: dict) -> dict[str, float]:
-  return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+def to_floats(metrics: dict) -> dict[str, float]:
+  """Device scalars -> Python floats (one transfer)."""
+  return {k: float(v) for k, v in to_host(metrics).items()}

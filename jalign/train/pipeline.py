@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from jalign import files
 from jalign.config import ConfigError, EvalSection, to_dataclass, validate
 from jalign.eval import policy as policy_eval, report
 from jalign.objectives.reward import is_ensemble
@@ -34,9 +35,7 @@ def _write_json(path: str, obj) -> None:
   if not is_main():
     return
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(path + ".tmp", path)
+  files.write_json(path, obj, indent=1)
 
 
 def stage_configs(values, num_devices: int) -> list[tuple[str, str, Any]]:

@@ -9,7 +9,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jalign import parallel
-from jalign.parallel import distributed
+from jalign.models.sharding import to_host
 from jalign.parallel.distributed import say
 from jalign.config import RunConfig
 from jalign.data import preference
@@ -101,6 +101,6 @@ class PreferenceTask(loop.Task):
       chunk = examples[start:start + rows]
       host = self.batch_fn(chunk + [chunk[-1]] * (rows - len(chunk)))
       device = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}
-      out = distributed.to_host(fn(device))
+      out = to_host(fn(device))
       outs.append(jax.tree.map(lambda x: x[:len(chunk)], out))
     return outs
