@@ -186,7 +186,11 @@ class GrpoSection:
   clip_low: float = 0.2
   clip_high: float = 0.28              # DAPO clip-higher (Yu et al. 2025); 0.2 = symmetric PPO
   clip_c: float | None = None          # dual clip (Ye et al. 2020); None = off
-  loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+  loss_mode: Literal["vanilla", "gspo", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl"] = "vanilla"
+                                       # verl's loss_mode names; see losses.policy.policy_loss_matrix (clip_low /
+                                       # clip_high: log-ratio bounds for geo_mean, divergence thresholds for dppo_*)
+  tau_pos: float = 1.0                 # sapo's gate temperature where A > 0 (verl actor.tau_pos)
+  tau_neg: float = 1.05                # ... where A <= 0 (verl actor.tau_neg)
   agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
   loss_scale_factor: int = 0           # seq-mean-token-sum-norm's constant T (verl's name); 0 = max_new_tokens
   kl_coef: float = 0.001               # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl); 0 = no KL term
@@ -655,6 +659,8 @@ def _validate_grpo(cfg: RunConfig) -> None:
     raise ConfigError(f"config.grpo.clip_high={g.clip_high} must be >= clip_low={g.clip_low} >= 0")
   if g.clip_c is not None and g.clip_c <= 1.0:
     raise ConfigError(f"config.grpo.clip_c={g.clip_c}: the dual-clip bound must be > 1")
+  if g.tau_pos <= 0 or g.tau_neg <= 0:
+    raise ConfigError(f"config.grpo.tau_pos={g.tau_pos}, tau_neg={g.tau_neg}: sapo's gate temperatures must be > 0")
   if g.loss_scale_factor < 0:
     raise ConfigError(f"config.grpo.loss_scale_factor={g.loss_scale_factor}: seq-mean-token-sum-norm's constant "
                       "length must be >= 0 (0 = sampling.max_new_tokens)")

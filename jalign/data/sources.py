@@ -328,9 +328,10 @@ def _open(spec: str) -> Any:
     name, _, split = body.partition(":")
     return TfdsSource(name, split or "train", data_dir or None)
   if spec.startswith("synthetic:"):  # synthetic:arith[:SPLIT[:N]]
-    task, split, n = (spec[len("synthetic:"):].split(":") + ["train", ""])[:3]
-    if task != "arith":
-      raise DataError(f"synthetic task {task!r}; available: arith")
+    task, split, n = (spec[len("synthetic:"):].split(":") + ["", ""])[:3]
+    if task != "arith" or not (n.isdigit() or not n):
+      raise DataError(f"data spec {spec!r}: accepted synthetic:arith[:SPLIT[:N]] (N a count)")
+    split = split or "train"
     return ListSource(synthetic.records(split, int(n) if n else None), name=f"synthetic:arith:{split}")
   sources = []
   for part in spec.split(","):

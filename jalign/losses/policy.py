@@ -65,34 +65,84 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
   raise ValueError(f"KL estimator {kind!r}; accepted: {', '.join(KL_KINDS)}")
 
 
-def policy_loss_matrix(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
-                       clip_c: float | None = None, mode: str = "vanilla"):
-  """Per-token clipped surrogate [B, T] and metrics.
+# Policy-loss modes, named as verl's `policy_loss.loss_mode`. Those in SEQUENCE_MODES aggregate seq-mean-token-mean
+# whatever `agg` says, as verl does (their objectives are defined per sequence).
+POLICY_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl")
+SEQUENCE_MODES = ("gspo", "sapo", "geo_mean")
 
-  vanilla: PPO clip with separate low/high ranges (DAPO clip-higher) and, when `clip_c` is set, dual clip (Ye et
-  al. 2020) bounding the loss of negative-advantage tokens by -A * clip_c. gspo: sequence-level ratio
-  (mean token log-ratio, stop-gradient) times the token's own ratio, clipped (Zheng et al. 2025)."""
+
+def policy_loss_matrix(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                       clip_c: float | None = None, mode: str = "vanilla", tau_pos: float = 1.0,
+                       tau_neg: float = 1.05):
+  """Per-token policy loss [B, T] and metrics (`pg_clipfrac`, `ppo_kl`), r = pi / pi_old per token.
+
+  vanilla   PPO clip with separate low/high ranges (DAPO clip-higher) and, when `clip_c` is set, dual clip (Ye et
+            al. 2020) bounding the loss of negative-advantage tokens by -A * clip_c.
+  gspo      sequence-level ratio (mean token log-ratio, stop-gradient) times the token's own ratio, clipped (Zheng
+            et al. 2025, arXiv:2507.18071).
+  cispo     -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi: the IS weight is clipped, never the gradient;
+            REINFORCE on every token (MiniMax-M1, arXiv:2506.13585, eq. 4-5).
+  sapo      -f(r) * A with the soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos where A > 0 else
+            tau_neg, in place of a hard clip (Gao et al. 2025, arXiv:2511.20347; verl's defaults 1.0 / 1.05).
+  geo_mean  GMPO: per sequence, -mean_t(A) * exp(mean_t(log r clipped to [-clip_low, clip_high] on the side the
+            advantage's sign pushes)), the geometric mean of token ratios (Zhao et al. 2025, arXiv:2507.20673;
+            the paper's range is (-0.4, 0.4) in log space; verl reads clip_ratio_low/high as it).
+  dppo_tv   DPPO-Binary-TV: -A * sg(min(r, clip_c or 20)) * log pi on tokens whose probability moved by at most
+            clip_high (A > 0: p - p_old <= clip_high) or clip_low (A <= 0: p - p_old >= -clip_low); the others
+            are masked out of the gradient (arXiv:2602.04879; prime-rl's default style of trust region).
+  dppo_kl   as dppo_tv with the binary KL(p_old || p) of the sampled token against the thresholds, masking only
+            moves in the advantage's direction."""
   mask = mask.astype(jnp.float32)
   log_ratio = logp - old_logp
-  if mode == "vanilla":
-    ratio = jnp.exp(jnp.clip(log_ratio, -20.0, 20.0))
-  elif mode == "gspo":
-    seq = jnp.sum(log_ratio * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)
-    log_seq_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq)[:, None]
-    ratio = jnp.exp(jnp.minimum(log_seq_ratio, 10.0))
-  else:
-    raise ValueError(f"policy loss mode {mode!r}; accepted: vanilla, gspo")
-  loss1 = -adv * ratio
-  loss2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-  clipped = jnp.maximum(loss1, loss2)
-  metrics = {"pg_clipfrac": masked_mean((loss2 > loss1).astype(jnp.float32), mask),
-             "ppo_kl": masked_mean(-log_ratio, mask)}
-  if mode == "vanilla" and clip_c is not None:
-    loss3 = -adv * clip_c
-    dual = jnp.minimum(loss3, clipped)
-    metrics["pg_clipfrac_lower"] = masked_mean(((clipped > loss3) & (adv < 0)).astype(jnp.float32), mask)
-    clipped = jnp.where(adv < 0, dual, clipped)
-  return clipped, metrics
+  metrics = {"ppo_kl": masked_mean(-log_ratio, mask)}
+  if mode in ("vanilla", "gspo"):
+    if mode == "vanilla":
+      ratio = jnp.exp(jnp.clip(log_ratio, -20.0, 20.0))
+    else:
+      seq = jnp.sum(log_ratio * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)
+      log_seq_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq)[:, None]
+      ratio = jnp.exp(jnp.minimum(log_seq_ratio, 10.0))
+    loss1 = -adv * ratio
+    loss2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = jnp.maximum(loss1, loss2)
+    metrics["pg_clipfrac"] = masked_mean((loss2 > loss1).astype(jnp.float32), mask)
+    if mode == "vanilla" and clip_c is not None:
+      loss3 = -adv * clip_c
+      dual = jnp.minimum(loss3, clipped)
+      metrics["pg_clipfrac_lower"] = masked_mean(((clipped > loss3) & (adv < 0)).astype(jnp.float32), mask)
+      clipped = jnp.where(adv < 0, dual, clipped)
+    return clipped, metrics
+  ratio = jnp.exp(jnp.clip(log_ratio, -20.0, 20.0))
+  if mode == "cispo":
+    weight = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    metrics["pg_clipfrac"] = masked_mean((weight != ratio).astype(jnp.float32), mask)
+    return -jax.lax.stop_gradient(weight) * adv * logp, metrics
+  if mode == "sapo":
+    tau = jnp.where(adv > 0, tau_pos, tau_neg)
+    metrics["pg_clipfrac"] = jnp.zeros((), jnp.float32)
+    return -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, metrics
+  if mode == "geo_mean":
+    sign = jnp.sign(adv)
+    kept = sign * jnp.minimum(sign * log_ratio, sign * jnp.clip(log_ratio, -clip_low, clip_high))
+    n = jnp.sum(mask, -1)
+    seq_ratio = jnp.exp(jnp.sum(kept * mask, -1) / (n + 1e-8))
+    seq_adv = jnp.sum(adv * mask, -1) / (n + 1e-8)
+    was_clipped = (log_ratio != jnp.clip(log_ratio, -clip_low, clip_high)).astype(jnp.float32)
+    metrics["pg_clipfrac"] = masked_mean(was_clipped * (adv > 0), mask)
+    metrics["pg_clipfrac_lower"] = masked_mean(was_clipped * (adv < 0), mask)
+    return jnp.broadcast_to((-seq_adv * seq_ratio)[:, None], logp.shape), metrics  # a sequence's loss on its tokens
+  if mode in ("dppo_tv", "dppo_kl"):
+    p, p_old = jnp.exp(logp), jnp.exp(old_logp)
+    if mode == "dppo_tv":
+      valid = jnp.where(adv > 0, p - p_old <= clip_high, p - p_old >= -clip_low)
+    else:
+      binary_kl = p_old * (old_logp - logp) + (1.0 - p_old) * jnp.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+      valid = jnp.where(adv > 0, (binary_kl <= clip_high) | (p <= p_old), (binary_kl <= clip_low) | (p >= p_old))
+    valid = jax.lax.stop_gradient(valid.astype(jnp.float32))
+    cap = 20.0 if clip_c is None else clip_c
+    metrics["pg_clipfrac"] = masked_mean(1.0 - valid, mask)
+    return -adv * jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * logp * valid, metrics
+  raise ValueError(f"policy loss mode {mode!r}; accepted: {', '.join(POLICY_MODES)}")
 
 
 def truncated_is_weights(old_logp, behaviour_logp, cap: float):
@@ -103,12 +153,10 @@ def truncated_is_weights(old_logp, behaviour_logp, cap: float):
   return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), cap))
 
 
-def policy_loss(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
-                clip_c: float | None = None, agg: str = "token-mean", mode: str = "vanilla"):
-  """Aggregated clipped surrogate (GSPO always aggregates seq-mean-token-mean, as verl does) and metrics."""
-  loss, metrics = policy_loss_matrix(logp, old_logp, adv, mask, clip_low=clip_low, clip_high=clip_high,
-                                     clip_c=clip_c, mode=mode)
-  return aggregate(loss, mask, "seq-mean-token-mean" if mode == "gspo" else agg), metrics
+def policy_loss(logp, old_logp, adv, mask, *, agg: str = "token-mean", mode: str = "vanilla", **mode_args):
+  """Aggregated policy loss (SEQUENCE_MODES always seq-mean-token-mean, as verl does) and metrics."""
+  loss, metrics = policy_loss_matrix(logp, old_logp, adv, mask, mode=mode, **mode_args)
+  return aggregate(loss, mask, "seq-mean-token-mean" if mode in SEQUENCE_MODES else agg), metrics
 
 
 def value_loss(values_pred, returns, values_old, mask, *, clip: float, agg: str = "token-mean"):

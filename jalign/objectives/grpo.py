@@ -26,7 +26,9 @@ class GrpoLossConfig:
   clip_low: float = 0.2
   clip_high: float = 0.28
   clip_c: float | None = None
-  mode: str = "vanilla"              # vanilla | gspo
+  mode: str = "vanilla"              # one of losses.policy.POLICY_MODES
+  tau_pos: float = 1.0               # sapo's gate temperatures
+  tau_neg: float = 1.05
   agg: str = "token-mean"
   kl_coef: float = 0.001
   kl_kind: str = "k3"
@@ -61,13 +63,13 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-                                            mode=cfg.mode)
+                                            mode=cfg.mode, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
     if cfg.tis_cap:
       weights = policy.truncated_is_weights(old_logp, batch["behaviour_logp"], cfg.tis_cap)
       pg = pg * weights
     kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind) if "ref_logp" in batch else None
     total = (pg if kl is None else pg + cfg.kl_coef * kl) - cfg.entropy_coef * entropy
-    agg = "seq-mean-token-mean" if cfg.mode == "gspo" else cfg.agg
+    agg = "seq-mean-token-mean" if cfg.mode in policy.SEQUENCE_MODES else cfg.agg
     norm = dict(global_rows=cfg.global_rows or None, norm_rows=cfg.norm_rows or None, horizon=cfg.horizon or None)
     num, den = policy.aggregate_parts(total, mask, agg, **norm)
     # Metric sums: each divided by the step's summed denominator, so token-mean metrics come out as global means.

@@ -156,6 +156,7 @@ def run(cfg: RunConfig) -> dict:
                                       agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
                                       entropy_coef=g.entropy_coef, temperature=s.temperature, group_size=group_size,
                                       tis_cap=g.tis_imp_ratio_cap, norm_rows=rows // g.mini_batches,
+                                      tau_pos=g.tau_pos, tau_neg=g.tau_neg,
                                       horizon=g.loss_scale_factor)
   # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
   compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
