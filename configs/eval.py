@@ -9,26 +9,19 @@ against the reference, perplexity on held-out SFT data, the reward model's pairw
 """
 import os
 
-import ml_collections
-
 import jalign
+from jalign.config import defaults
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
 
 
 def get_config(arg=None):
-  c = ml_collections.ConfigDict()
+  c = defaults()  # every key with its default (jalign/config.py); this recipe states what it changes
   c.task = "eval"
   c.run_dir = "runs/eval"
-  c.seed = 0
-  c.tokenizer = ""                      # "" = the checkpoint's own tokenizer files
-  c.model = ml_collections.ConfigDict(dict(path=os.path.join(ASSETS, "tiny_policy")))
-  c.eval = ml_collections.ConfigDict(dict(
-      prompts="synthetic:arith:test", examples=500, metric="gsm8k", max_new_tokens=16, num_samples=8,
-      pass_k=(1, 4, 8), temperature=1.0, reference=os.path.join(ASSETS, "tiny_policy"), reward_model="",
-      judge="auto", sft_data="synthetic:arith:test", pairs="", batch_size=128, seed=0))
-  c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1,
-                                                 cpu_devices=0, timeout_s=300))
+  c.model.path = os.path.join(ASSETS, "tiny_policy")   # tokenizer "" = the checkpoint's own tokenizer files
+  c.eval.update(examples=500, num_samples=8, pass_k=(1, 4, 8), reference=os.path.join(ASSETS, "tiny_policy"),
+                sft_data="synthetic:arith:test")
   if arg == "tiny":
     c.run_dir = "runs/eval_tiny"
     c.eval.update(examples=16, num_samples=2, pass_k=(1, 2), batch_size=16)

@@ -12,6 +12,8 @@ import types
 import typing
 from typing import Any, Literal
 
+import ml_collections
+
 from jalign.data.layouts import Fields
 from jalign.errors import ConfigError
 from jalign.losses.dpo import PAIRED, REFERENCE_FREE
@@ -392,6 +394,28 @@ def _convert(value, tp, key: str):
       raise ConfigError(f"{key}: expected a string, found {type(value).__name__} {value!r:.60}")
     return value
   return value
+
+
+def defaults(section=None) -> ml_collections.ConfigDict:
+  """Every key of the run config (or of a section instance) with its default, as a ConfigDict: configs/*.py start
+  from it and state only what their recipe changes, and any key can be set on the command line. An unset optional
+  number is a typed placeholder (`--config.grpo.clip_c=3` works); an unset optional section (`model.arch`) is None
+  until a config gives it."""
+  section = RunConfig() if section is None else section
+  hints = typing.get_type_hints(type(section))
+  out = {}
+  for f in dataclasses.fields(section):
+    if not f.init:
+      continue
+    value = getattr(section, f.name)
+    if dataclasses.is_dataclass(value):
+      out[f.name] = defaults(value)
+    elif value is None:
+      scalar = [a for a in typing.get_args(hints[f.name]) if a in (int, float, str, bool)]
+      out[f.name] = ml_collections.config_dict.placeholder(scalar[0]) if scalar else None
+    else:
+      out[f.name] = value
+  return ml_collections.ConfigDict(out)
 
 
 def to_dataclass(cls, values, key: str = "config"):

@@ -56,3 +56,33 @@ def test_bad_config_names_the_key(overrides, message):
 def test_unknown_config_arg():
   with pytest.raises(ValueError, match="unknown arg 'huge'; accepted: 'tiny' or none"):
     config_dict("sft", "huge")
+
+
+def test_defaults_hold_every_key_with_its_default():
+  """configs/*.py start from `defaults()`: it holds every section and key of RunConfig at its default, optional
+  numbers as typed placeholders a command line can set."""
+  import dataclasses
+
+  from jalign.config import RunConfig, defaults, to_dataclass
+  d = defaults()
+  assert to_dataclass(RunConfig, d) == RunConfig()
+
+  def keys(section, prefix="config"):
+    for f in dataclasses.fields(section):
+      value = getattr(section, f.name)
+      yield f"{prefix}.{f.name}"
+      if dataclasses.is_dataclass(value):
+        yield from keys(value, f"{prefix}.{f.name}")
+
+  def present(node, dotted):
+    for part in dotted.split(".")[1:]:
+      if part not in node:
+        return False
+      node = node[part]
+    return True
+  assert [k for k in keys(RunConfig()) if not present(d, k)] == []
+  d.grpo.clip_c = 3  # a placeholder takes a value of its type (an int converts to the float it declares)
+  assert to_dataclass(RunConfig, d).grpo.clip_c == 3.0
+  with pytest.raises(AttributeError, match="Did you mean"):
+    d.lock()
+    d.grpo.clip_cc = 3.0

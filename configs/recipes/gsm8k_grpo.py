@@ -8,7 +8,7 @@ Defaults follow DeepSeekMath's GRPO (Shao et al. 2024) as verl runs it (group st
 token-mean); `drgrpo` is Dr. GRPO (Liu et al. 2025: no std normalisation, no length normalisation, no KL); `dapo`
 is DAPO (Yu et al. 2025: clip-higher 0.28, dynamic sampling, token-mean, overlong shaping, no KL).
 """
-import ml_collections
+from jalign.config import defaults
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'   # verl's GSM8K prompt
 
@@ -17,22 +17,16 @@ def get_config(arg=None):
   variant, _, size = (arg or "").partition(",")
   if variant == "smoke":
     variant, size = "", "smoke"
-  c = ml_collections.ConfigDict()
+  c = defaults()  # every key with its default (jalign/config.py); this recipe states what it changes
   c.task = "grpo"
   c.run_dir = f"runs/gsm8k_{variant or 'grpo'}"
-  c.tokenizer = ""
-  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="none"))
-  c.data = ml_collections.ConfigDict(dict(prompt_suffix=INSTRUCTION))
-  c.train = ml_collections.ConfigDict(dict(steps=200, log_every=1, eval_every=50))
-  c.optim = ml_collections.ConfigDict(dict(lr=1e-6, schedule="constant", warmup_steps=0, weight_decay=0.0))
-  c.sampling = ml_collections.ConfigDict(dict(max_new_tokens=256, temperature=1.0, num_samples=8,
-                                              max_prompt_length=256))
-  c.reward = ml_collections.ConfigDict(dict(weights=(("gsm8k", 1.0),), overlong_max_length=0, overlong_buffer=0))
-  c.grpo = ml_collections.ConfigDict(dict(
-      prompts="", eval_prompts="", eval_examples=200, prompts_per_step=16, mini_batches=4, adv_estimator="grpo",
-      agg="token-mean", kl_coef=0.001, clip_high=0.2, dynamic_sampling=False, max_gen_batches=1, no_signal="skip"))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=1))
-  c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
+  c.data.prompt_suffix = INSTRUCTION
+  c.train.update(steps=200, log_every=1, eval_every=50)
+  c.optim.update(lr=1e-6, schedule="constant")
+  c.sampling.update(max_new_tokens=256, num_samples=8, max_prompt_length=256)
+  c.grpo.update(eval_examples=200, prompts_per_step=16, mini_batches=4, clip_high=0.2, no_signal="skip")
+  c.checkpoint.update(every=50, keep=1)
+  c.log.tensorboard = False
   if variant == "drgrpo":
     c.grpo.update(adv_estimator="drgrpo", agg="seq-mean-token-sum-norm", kl_coef=0.0)
   elif variant == "dapo":

@@ -9,24 +9,20 @@ messages and a shared prompt).
 The sigmoid loss at beta 0.1 (Rafailov et al. 2023), lr 5e-7 as Zephyr's DPO stage; held-out `rewards/accuracies`
 (chosen's implicit reward above rejected's) on the eval pairs. Pairs longer than data.max_length are dropped.
 """
-import ml_collections
+from jalign.config import defaults
 
 
 def get_config(arg=None):
-  c = ml_collections.ConfigDict()
+  c = defaults()  # every key with its default (jalign/config.py); this recipe states what it changes
   c.task = "dpo"
   c.run_dir = "runs/hh_dpo"
-  c.tokenizer = ""
-  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="full"))
-  c.data = ml_collections.ConfigDict(dict(train="", eval="", max_length=512, truncation="drop", packing=False,
-                                          pair_checks="warn", max_length_ratio=3.0, skip_bad_records=True))
-  c.train = ml_collections.ConfigDict(dict(steps=240, batch_size=8, seq_len=512, log_every=10, eval_every=60,
-                                           eval_batches=50, eval_examples=0))
-  c.optim = ml_collections.ConfigDict(dict(lr=5e-7, schedule="linear", warmup_steps=24, weight_decay=0.0))
-  c.dpo = ml_collections.ConfigDict(dict(loss_type="sigmoid", beta=0.1, eval_prompts=""))
-  c.reward = ml_collections.ConfigDict(dict(weights=()))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=60, keep=1))
-  c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
+  c.model.remat = "full"
+  c.data.update(truncation="drop", packing=False, max_length_ratio=3.0, skip_bad_records=True)
+  c.train.update(steps=240, batch_size=8, eval_every=60, eval_batches=50, eval_examples=0)
+  c.optim.update(lr=5e-7, schedule="linear", warmup_steps=24)
+  c.reward.weights = ()  # no generative check: HH has no verifiable answers
+  c.checkpoint.update(every=60, keep=1)
+  c.log.tensorboard = False
   if arg == "smoke":
     c.run_dir = "runs/hh_dpo_smoke"
     c.data.update(max_length=192, check_records=64)

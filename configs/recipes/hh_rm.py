@@ -9,23 +9,19 @@ transcripts "\\n\\nHuman: ...\\n\\nAssistant: ...", split into messages and a sh
 One epoch at lr 1e-5 with a linear head on the last token, as TRL's RewardTrainer defaults; the held-out pairwise
 accuracy is `eval/accuracy`. Pairs longer than data.max_length are dropped, not cut.
 """
-import ml_collections
+from jalign.config import defaults
 
 
 def get_config(arg=None):
-  c = ml_collections.ConfigDict()
+  c = defaults()  # every key with its default (jalign/config.py); this recipe states what it changes
   c.task = "rm"
   c.run_dir = "runs/hh_rm"
-  c.tokenizer = ""
-  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="full"))
-  c.data = ml_collections.ConfigDict(dict(train="", eval="", max_length=512, truncation="drop", packing=False,
-                                          pair_checks="warn", max_length_ratio=3.0, skip_bad_records=True))
-  c.train = ml_collections.ConfigDict(dict(steps=240, batch_size=8, seq_len=512, log_every=10, eval_every=60,
-                                           eval_batches=50, eval_examples=0))
-  c.optim = ml_collections.ConfigDict(dict(lr=1e-5, schedule="linear", warmup_steps=0, weight_decay=0.0))
-  c.rm = ml_collections.ConfigDict(dict(head="linear", center_rewards_coefficient=0.0, members=()))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=60, keep=1))
-  c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
+  c.model.remat = "full"
+  c.data.update(truncation="drop", packing=False, max_length_ratio=3.0, skip_bad_records=True)
+  c.train.update(steps=240, batch_size=8, eval_every=60, eval_batches=50, eval_examples=0)
+  c.optim.update(lr=1e-5, schedule="linear")
+  c.checkpoint.update(every=60, keep=1)
+  c.log.tensorboard = False
   if arg == "smoke":
     c.run_dir = "runs/hh_rm_smoke"
     c.data.update(max_length=192, check_records=64)

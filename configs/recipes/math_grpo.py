@@ -8,28 +8,24 @@ solution's last \\boxed{} answer, or an `answer` field where the dataset has one
 The Dr. GRPO settings (Liu et al. 2025) as its MATH runs use them: no std normalisation, no length normalisation, no
 KL, clip 0.2, with Qwen2.5-Math's boxed-answer instruction.
 """
-import ml_collections
+from jalign.config import defaults
 
 INSTRUCTION = " Please reason step by step, and put your final answer within \\boxed{}."   # Qwen2.5-Math's prompt
 
 
 def get_config(arg=None):
-  c = ml_collections.ConfigDict()
+  c = defaults()  # every key with its default (jalign/config.py); this recipe states what it changes
   c.task = "grpo"
   c.run_dir = "runs/math_grpo"
-  c.tokenizer = ""
-  c.model = ml_collections.ConfigDict(dict(path="", dtype="float32", remat="none"))
-  c.data = ml_collections.ConfigDict(dict(prompt_suffix=INSTRUCTION))
-  c.train = ml_collections.ConfigDict(dict(steps=200, log_every=1, eval_every=50))
-  c.optim = ml_collections.ConfigDict(dict(lr=1e-6, schedule="constant", warmup_steps=0, weight_decay=0.0))
-  c.sampling = ml_collections.ConfigDict(dict(max_new_tokens=512, temperature=1.0, num_samples=8,
-                                              max_prompt_length=512))
-  c.reward = ml_collections.ConfigDict(dict(weights=(("boxed", 1.0),)))
-  c.grpo = ml_collections.ConfigDict(dict(
-      prompts="", eval_prompts="", eval_examples=200, prompts_per_step=16, mini_batches=4, adv_estimator="drgrpo",
-      agg="seq-mean-token-sum-norm", kl_coef=0.0, clip_high=0.2, no_signal="skip"))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=1))
-  c.log = ml_collections.ConfigDict(dict(progress=True, tensorboard=False))
+  c.data.prompt_suffix = INSTRUCTION
+  c.train.update(steps=200, log_every=1, eval_every=50)
+  c.optim.update(lr=1e-6, schedule="constant")
+  c.sampling.update(max_new_tokens=512, num_samples=8, max_prompt_length=512)
+  c.reward.weights = (("boxed", 1.0),)
+  c.grpo.update(eval_examples=200, prompts_per_step=16, mini_batches=4, adv_estimator="drgrpo",
+                agg="seq-mean-token-sum-norm", kl_coef=0.0, clip_high=0.2, no_signal="skip")
+  c.checkpoint.update(every=50, keep=1)
+  c.log.tensorboard = False
   if arg == "smoke":
     c.run_dir = "runs/math_grpo_smoke"
     c.train.update(steps=2, eval_every=0)

@@ -380,7 +380,8 @@ def test_a_reward_without_signal_is_reported_not_trained_on(tmp_path, capsys, mo
 def test_policy_loss_modes_train(tmp_path, mode):
   """Each of the 2025-26 policy losses (tests/losses/test_policy_modes.py checks their formulas) drives a real
   update: finite loss, a non-zero gradient, two mini-batches of one step."""
+  extra = ["--config.grpo.tau_neg=1.2"] if mode == "sapo" else []  # a key configs/grpo.py leaves at its default
   _run(tmp_path / mode, f"--config.grpo.loss_mode={mode}", "--config.train.steps=1", "--config.grpo.eval_examples=0",
-       "--config.grpo.mini_batches=2")
+       "--config.grpo.mini_batches=2", *extra)
   steps = [r for r in map(json.loads, open(tmp_path / mode / "metrics.jsonl")) if "actor/pg_loss" in r]
   assert len(steps) == 1 and np.isfinite(steps[0]["actor/pg_loss"]) and steps[0]["train/grad_norm"] > 0, steps
