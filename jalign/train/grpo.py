@@ -37,7 +37,6 @@ from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.critic import Critic
 from jalign.train.metrics import MetricsWriter
 from jalign.train.preemption import Preemption
-from jalign.train.step import make_step
 
 
 def _prompt_iterator(cfg: RunConfig, n: int):
@@ -173,10 +172,7 @@ def run(cfg: RunConfig) -> dict:
                                      cfg.logprobs.options())
     opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
                                    g.updates_per_step)
-    step_fn = make_step(loss_fn, opt, schedule, 1, parallel.batch_sharding(mesh, leading_micro_axis=True),
-                        dropout_seed=loop.dropout_seed(cfg))
-    jitted = jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding, setup.frozen_shardings),
-                     out_shardings=(setup.state_shardings, rep), donate_argnums=0)
+    jitted = loop.jit_step(loss_fn, opt, schedule, 1, mesh, setup.trainable(), dropout_seed=loop.dropout_seed(cfg))
     return lambda state, batch: jitted(state, batch, setup.frozen)
 
   lr_scale = 1.0

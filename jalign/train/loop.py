@@ -43,6 +43,9 @@ class Setup:
   frozen: Any = None             # with LoRA: the base weights, beside the trainable `state.params`; never donated
   frozen_shardings: Any = None
 
+  def trainable(self) -> "Trainable":
+    return Trainable(self.graphdef, self.state, self.state_shardings, self.frozen, self.frozen_shardings)
+
   def full(self, params):
     """The model's whole parameter dict from the trainable part (no copy)."""
     return lora.combine(params, self.frozen)
@@ -118,6 +121,44 @@ def load_model(cfg: RunConfig, mesh) -> models.Decoder:
   return models.create(arch, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
 
 
+@dataclasses.dataclass
+class Trainable:
+  """A module split for training on a mesh: what `jit_step` and the checkpointer need."""
+  graphdef: Any
+  state: TrainState
+  state_shardings: Any
+  frozen: Any = None             # with LoRA adapters: the base weights, beside the trainable `state.params`
+  frozen_shardings: Any = None
+
+
+def trainable(module: nnx.Module, optimizer, mesh, rules) -> Trainable:
+  """The one train-state builder (policy, reward model and critic): parameters placed by the logical-axis `rules`
+  (parts built outside a loader, such as heads, land on the mesh too), the base weights set apart as frozen when the
+  module has LoRA adapters, the optimizer state initialised in its own shardings."""
+  graphdef, params = nnx.split(module)
+  params = nnx.to_pure_dict(params)
+  param_shardings = nnx.to_pure_dict(models.state_shardings(module, mesh, rules))
+  params = jax.device_put(params, param_shardings)
+  frozen = frozen_shardings = None
+  if lora.has_adapters(params):  # only the adapters (and a head) train; the base rides along, frozen
+    params, frozen = lora.partition(params)
+    param_shardings, frozen_shardings = lora.partition(param_shardings)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+  rep = parallel.replicated(mesh)
+  return Trainable(graphdef, TrainState.begin(params, opt_state, rep),
+                   TrainState(rep, param_shardings, opt_shardings, rep), frozen, frozen_shardings)
+
+
+def jit_step(loss_fn, optimizer, schedule, micro_batches: int, mesh, t: Trainable, *, dropout_seed=None):
+  """The one jitted train step: (state, batch, frozen) -> (state, metrics), the state donated."""
+  step_fn = make_step(loss_fn, optimizer, schedule, micro_batches,
+                      parallel.batch_sharding(mesh, leading_micro_axis=True), dropout_seed=dropout_seed)
+  return jax.jit(step_fn, in_shardings=(t.state_shardings, parallel.batch_sharding(mesh), t.frozen_shardings),
+                 out_shardings=(t.state_shardings, parallel.replicated(mesh)), donate_argnums=0)
+
+
 def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   mesh = parallel.mesh_from_config(cfg.mesh.shape)
   tok = tokenizer_lib.load(cfg.tokenizer or cfg.model.path)
@@ -127,21 +168,8 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
   if tok.vocab_size > lm.cfg.vocab_size:
     raise ConfigError(f"tokenizer {cfg.tokenizer or cfg.model.path} has {tok.vocab_size} tokens, more than the "
                      f"model's vocab_size {lm.cfg.vocab_size}")
-  graphdef, params = nnx.split(lm)
-  params = nnx.to_pure_dict(params)
-  param_shardings = nnx.to_pure_dict(models.state_shardings(lm, mesh, cfg.mesh.rules))
-  params = jax.device_put(params, param_shardings)  # parts built outside the loader (heads) land on the mesh too
-  frozen = frozen_shardings = None
-  if cfg.model.lora.rank:  # only the adapters (and a head) train; the base rides along, frozen
-    params, frozen = lora.partition(params)
-    param_shardings, frozen_shardings = lora.partition(param_shardings)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-  rep = parallel.replicated(mesh)
-  state = TrainState.begin(params, opt_state, rep)
-  shardings = TrainState(rep, param_shardings, opt_shardings, rep)
-  return Setup(cfg, mesh, tok, graphdef, lm.cfg, state, shardings, frozen, frozen_shardings)
+  t = trainable(lm, optimizer, mesh, cfg.mesh.rules)
+  return Setup(cfg, mesh, tok, t.graphdef, lm.cfg, t.state, t.state_shardings, t.frozen, t.frozen_shardings)
 
 
 def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, task: Task | None = None):
@@ -195,12 +223,8 @@ def run(cfg: RunConfig, task: Task) -> dict:
   train_it, counters, source = data_iterator(cfg, cfg.data.train, encode_fn, train=True, task=task)
 
   batch_sharding = parallel.batch_sharding(mesh)
-  micro_sharding = parallel.batch_sharding(mesh, leading_micro_axis=True)
-  step_fn = make_step(task.make_loss_fn(s.graphdef), optimizer, lr_schedule, cfg.train.micro_batches,
-                      micro_sharding, dropout_seed=dropout_seed(cfg))
-  rep = parallel.replicated(mesh)
-  jitted = jax.jit(step_fn, in_shardings=(s.state_shardings, batch_sharding, s.frozen_shardings),
-                   out_shardings=(s.state_shardings, rep), donate_argnums=0)
+  jitted = jit_step(task.make_loss_fn(s.graphdef), optimizer, lr_schedule, cfg.train.micro_batches, mesh,
+                    s.trainable(), dropout_seed=dropout_seed(cfg))
 
   ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                       async_save=cfg.checkpoint.async_save)
