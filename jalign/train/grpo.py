@@ -24,14 +24,13 @@ from jalign import models, parallel, sampling
 from jalign.models.sharding import to_host
 from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
 from jalign.data.sources import open_source
-from jalign.errors import DataError
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, Batch, RewardSpec
-from jalign.rl import buffer as buffer_lib
+from jalign.rl.groups import Groups, OfflineBuffer, minibatches
 from jalign.rl.monitors import Monitors
-from jalign.data.prompts import Prompt, encode_prompt, left_pad
+from jalign.data.prompts import encode_prompt, left_pad
 from jalign.train import loop, optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.critic import Critic
@@ -42,87 +41,6 @@ from jalign.train.preemption import Preemption
 def _prompt_iterator(cfg: RunConfig, n: int):
   ds = grain.MapDataset.range(n).seed(cfg.seed).shuffle().repeat(None)
   return iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())
-
-
-@dataclasses.dataclass
-class Groups:
-  """Sampled groups: prompt i's completions are rows i*size .. i*size+size-1."""
-  prompts: list[Prompt]
-  size: int
-  response: np.ndarray                  # [N, R] token ids
-  lengths: np.ndarray                   # [N]
-  scores: np.ndarray                    # [N]
-  behaviour: np.ndarray | None = None   # [N, R] stored log-probs (offline)
-  rm_scores: np.ndarray | None = None   # [N] reward-model share of the scores
-  baselines: np.ndarray | None = None   # [N] reward of the prompt's greedy response (remax)
-
-  def informative(self) -> np.ndarray:
-    """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
-    grouped = self.scores.reshape(len(self.prompts), self.size)
-    return grouped.max(1) > grouped.min(1)
-
-  @staticmethod
-  def select(batches: list["Groups"], want: int) -> "Groups":
-    """`want` groups from several batches: informative ones first, in sampling order; if there are too few,
-    uninformative ones fill the rest (they stay in the batch, masked out of the loss)."""
-    pool = [(b, i) for b in batches for i in np.flatnonzero(b.informative())]
-    pool += [(b, i) for b in batches for i in np.flatnonzero(~b.informative())]
-    picked = pool[:want]
-    rows = lambda b, i: slice(i * b.size, (i + 1) * b.size)  # noqa: E731
-    cat = lambda name: None if getattr(batches[0], name) is None else np.concatenate(  # noqa: E731
-        [getattr(b, name)[rows(b, i)] for b, i in picked])
-    return Groups([b.prompts[i] for b, i in picked], batches[0].size, cat("response"), cat("lengths"),
-                  cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"))
-
-
-class OfflineBuffer:
-  """Groups of a replay buffer written by the rollout task, served as GRPO steps (offline mode)."""
-
-  def __init__(self, directory: str, num_samples: int, max_new: int):
-    records = buffer_lib.read_all(directory)
-    groups: dict[int, list[dict]] = {}
-    for r in records:
-      groups.setdefault(int(r["group_id"]), []).append(r)
-    self.groups = [sorted(v, key=lambda r: r["sample"]) for _, v in sorted(groups.items())]
-    self.max_new, self.directory = max_new, directory
-    for members in self.groups:
-      if len(members) != num_samples:
-        raise DataError(f"{directory}: group {members[0]['group_id']} has {len(members)} completions, "
-                         f"sampling.num_samples is {num_samples} (filtered buffers need a matching group size)")
-      longest = max(len(m["response_ids"]) for m in members)
-      if longest > max_new:
-        raise DataError(f"{directory}: group {members[0]['group_id']} has a {longest}-token response, longer than "
-                         f"sampling.max_new_tokens={max_new}; set sampling.max_new_tokens to at least the rollout's "
-                         f"(here >= {longest}), or write the buffer with the training run's")
-
-  def __len__(self) -> int:
-    return len(self.groups)
-
-  def batch(self, indices, pad_id: int):
-    members = [m for i in indices for m in self.groups[i]]
-    prompts = [Prompt(int(self.groups[i][0]["prompt_index"]), list(self.groups[i][0]["prompt_ids"]),
-                      self.groups[i][0]["prompt"], self.groups[i][0]["ground_truth"],
-                      f"{self.directory}:group {self.groups[i][0]['group_id']}") for i in indices]
-    n = len(members)
-    response = np.full((n, self.max_new), pad_id, np.int32)
-    behaviour = np.zeros((n, self.max_new), np.float32)
-    lengths = np.zeros(n, np.int32)
-    for row, m in enumerate(members):
-      k = len(m["response_ids"])
-      response[row, :k], behaviour[row, :k], lengths[row] = m["response_ids"], m["behaviour_logprobs"], k
-    scores = np.asarray([m["reward"] for m in members], np.float32)
-    return prompts, response, lengths, scores, behaviour
-
-
-def minibatches(key: jax.Array, rows: int, n: int, group_size: int = 0) -> list[np.ndarray]:
-  """Row indices of `n` shuffled mini-batches. `group_size` > 0: rows come in groups of that many (one prompt's
-  samples) and each mini-batch takes whole groups, in order. One mini-batch is the rollout as it is."""
-  if n == 1:
-    return [np.arange(rows)]
-  if not group_size:
-    return np.split(np.asarray(jax.random.permutation(key, rows)), n)
-  groups = np.asarray(jax.random.permutation(key, rows // group_size))
-  return np.split((groups[:, None] * group_size + np.arange(group_size)).reshape(-1), n)
 
 
 def run(cfg: RunConfig) -> dict:

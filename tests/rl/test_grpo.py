@@ -11,7 +11,7 @@ import pytest
 
 from jalign.config import ConfigError, GrpoSection
 from jalign.train import grpo as grpo_train
-from jalign.train.grpo import Groups
+from jalign.rl.groups import Groups
 from tests.configs_util import ROOT, run_config
 
 
@@ -200,7 +200,7 @@ def test_offline_grpo_reads_the_rollout_buffer(tmp_path):
 
 def test_offline_buffer_checks_group_sizes(tmp_path):
   from jalign.rl.buffer import BufferWriter
-  from jalign.train.grpo import OfflineBuffer
+  from jalign.rl.groups import OfflineBuffer
   rec = dict(prompt_index=0, group_id=0, prompt_ids=[1, 2], response_ids=[3, 4], behaviour_logprobs=[-0.1, -0.2],
              reward=1.0, ground_truth="1", finish_reason=1, prompt="p", completion="c", policy="x")
   BufferWriter(str(tmp_path)).write(0, [dict(rec, sample=i) for i in range(3)])
@@ -333,7 +333,7 @@ def test_shared_prompts_equal_the_full_forward(r):
 
 @pytest.mark.parametrize("group_size", [0, 4])
 def test_minibatches_partition_rows_and_keep_groups_whole(group_size):
-  minibatches = grpo_train.minibatches
+  from jalign.rl.groups import minibatches
   chunks = minibatches(jax.random.key(3), 32, 4, group_size)
   assert len(chunks) == 4 and all(len(c) == 8 for c in chunks)
   assert sorted(np.concatenate(chunks).tolist()) == list(range(32))
