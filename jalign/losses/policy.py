@@ -122,12 +122,12 @@ def policy_loss_matrix(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip
     metrics["pg_clipfrac"] = jnp.zeros((), jnp.float32)
     return -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, metrics
   if mode == "geo_mean":
-    sign = jnp.sign(adv)
-    kept = sign * jnp.minimum(sign * log_ratio, sign * jnp.clip(log_ratio, -clip_low, clip_high))
+    sign, bounded = jnp.sign(adv), jnp.clip(log_ratio, -clip_low, clip_high)
+    kept = sign * jnp.minimum(sign * log_ratio, sign * bounded)
     n = jnp.sum(mask, -1)
     seq_ratio = jnp.exp(jnp.sum(kept * mask, -1) / (n + 1e-8))
     seq_adv = jnp.sum(adv * mask, -1) / (n + 1e-8)
-    was_clipped = (log_ratio != jnp.clip(log_ratio, -clip_low, clip_high)).astype(jnp.float32)
+    was_clipped = (log_ratio != bounded).astype(jnp.float32)
     metrics["pg_clipfrac"] = masked_mean(was_clipped * (adv > 0), mask)
     metrics["pg_clipfrac_lower"] = masked_mean(was_clipped * (adv < 0), mask)
     return jnp.broadcast_to((-seq_adv * seq_ratio)[:, None], logp.shape), metrics  # a sequence's loss on its tokens
