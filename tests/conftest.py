@@ -3,7 +3,10 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# Eight fake devices share the test machine's two cores with another test process: a collective's participants can
+# reach it tens of seconds apart, past XLA's CPU default of 40 s before it aborts the process.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # TPU compile targets in several test processes at once
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -9,7 +9,10 @@ from tests.configs_util import ROOT
 
 
 @pytest.mark.parametrize("name", ["grpo_quickstart", "dpo_rm_quickstart"])
-def test_notebook_runs(name):
+def test_notebook_runs(name, monkeypatch):
+  # The kernel sees one CPU device, as a Colab CPU runtime does (the tests' eight fake devices are covered in-process).
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
   path = os.path.join(ROOT, "notebooks", f"{name}.ipynb")
   nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
@@ -17,6 +20,7 @@ def test_notebook_runs(name):
   client.execute()
   outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", []))
   assert "configs: tiny" in outputs
+  assert "1 cpu device(s)" in outputs
   errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
             if o.get("output_type") == "error"]
   assert not errors
