@@ -8,7 +8,6 @@ held-out SFT data, and a reward model's pairwise accuracy and rank correlation o
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jalign import models, sampling, tokenizer as tokenizer_lib
+from jalign import models, tokenizer as tokenizer_lib
 from jalign.config import EvalSection
 from jalign.data import preference, sft as sft_data
 from jalign.data.layouts import Fields
@@ -27,7 +26,8 @@ from jalign.eval import ranking
 from jalign.models.sharding import to_host
 from jalign.objectives import grpo as grpo_objective, sft as sft_objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
-from jalign.data.prompts import Prompt, encode_prompt, left_pad
+from jalign.data.prompts import Prompt, encode_prompt
+from jalign.rl.rollout import Samples, SamplingSpec, concat, model_rows, sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -49,41 +49,15 @@ def win_rate(policy_scores, reference_scores, *, tie_tolerance: float = 0.0) -> 
   return {"win_rate": wins + 0.5 * ties, "wins": wins, "ties": ties, "losses": losses}
 
 
-@dataclasses.dataclass
-class Responses:
-  """Completions of `prompts` (each repeated `n` times, in order): token ids [N*n, R], lengths, decoded texts."""
-  prompts: list[Prompt]
-  n: int
-  tokens: np.ndarray
-  lengths: np.ndarray
-  texts: list[str]
-
-  def truths(self) -> list:
-    return [p.ground_truth for p in self.prompts for _ in range(self.n)]
-
-  def prompt_arrays(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    ids, mask = left_pad(self.prompts, pad_id)
-    return np.repeat(ids, self.n, 0), np.repeat(mask, self.n, 0)
-
-
 def generate(lm, tok, prompts: list[Prompt], *, max_new_tokens: int, temperature: float, n: int = 1, seed: int = 0,
-             batch_size: int = 128) -> Responses:
-  tokens, lengths = [], []
-  for start in range(0, len(prompts), batch_size):
-    chunk = prompts[start:start + batch_size]
-    ids, mask = left_pad(chunk, tok.pad_id)
-    out = sampling.generate(lm, ids, mask, jax.random.fold_in(jax.random.key(seed), start),
-                            max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=(tok.eos_id,),
-                            num_samples=n, pad_id=tok.pad_id)
-    t, length = to_host(out.tokens), to_host(out.lengths)
-    tokens.append(t)
-    lengths.append(length)
-  tokens, lengths = np.concatenate(tokens), np.concatenate(lengths)
-  texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
-  return Responses(prompts, n, tokens, lengths, texts)
+             batch_size: int = 128) -> Samples:
+  """`n` completions of each prompt, sampled `batch_size` prompts at a time."""
+  spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=temperature, num_samples=n)
+  return concat([sample(lm, tok, prompts[start:start + batch_size], jax.random.fold_in(jax.random.key(seed), start),
+                        spec) for start in range(0, len(prompts), batch_size)])
 
 
-def verify(metric: str, r: Responses) -> np.ndarray:
+def verify(metric: str, r: Samples) -> np.ndarray:
   return np.asarray(REGISTRY[metric](Batch(r.texts, r.truths(), r.lengths)), np.float64)
 
 
@@ -93,25 +67,16 @@ def accuracy(lm, tok, prompts: list[Prompt], metric: str, max_new_tokens: int, b
   return float(np.mean(verify(metric, greedy)))
 
 
-def _rl_batch(r: Responses, pad_id: int) -> dict:
-  ids, mask = r.prompt_arrays(pad_id)
-  response_mask = (np.arange(r.tokens.shape[1])[None] < r.lengths[:, None]).astype(np.int32)
-  segment = np.concatenate([mask, response_mask], 1)
-  return {"tokens": np.concatenate([ids, r.tokens], 1).astype(np.int32), "segment_ids": segment.astype(np.int32),
-          "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
-          "response": r.tokens.astype(np.int32), "response_mask": response_mask}
-
-
 @functools.lru_cache(maxsize=8)
 def _logprob_fn(graphdef, temperature: float):
   return jax.jit(lambda params, batch: grpo_objective.response_logprobs(graphdef, params, batch, temperature)[0])
 
 
-def sequence_logprobs(lm, r: Responses, pad_id: int, temperature: float, batch_size: int) -> np.ndarray:
+def sequence_logprobs(lm, r: Samples, pad_id: int, temperature: float, batch_size: int) -> np.ndarray:
   """Summed log-probs [N*n] of each response under `lm` (the sampling distribution at `temperature`)."""
   graphdef, params = nnx.split(lm)
   fn = _logprob_fn(graphdef, temperature)
-  batch = _rl_batch(r, pad_id)
+  batch = model_rows(*r.prompt_arrays(pad_id), r.tokens, r.lengths)
   out = []
   for start in range(0, len(r.tokens), batch_size):
     part = {k: jnp.asarray(v[start:start + batch_size]) for k, v in batch.items()}
@@ -120,7 +85,7 @@ def sequence_logprobs(lm, r: Responses, pad_id: int, temperature: float, batch_s
   return np.concatenate(out)
 
 
-def reward_scores(rm_path: str, r: Responses, pad_id: int) -> np.ndarray:
+def reward_scores(rm_path: str, r: Samples, pad_id: int) -> np.ndarray:
   from jalign.rl.model_reward import ModelReward
   rm = ModelReward(rm_path, 1.0, None)
   ids, mask = r.prompt_arrays(pad_id)

@@ -1,13 +1,15 @@
-"""One rollout batch: prompts -> `sampling.generate` (n per prompt) -> decoded completions -> rewards -> records."""
+"""The one path from prompts to scored samples and the rows a model reads: `sample` (n per prompt, decoded) ->
+`score` (rewards, a reward model's share) -> `model_rows` (prompt + response tokens, masks, positions). Online
+GRPO/PPO, the rollout task that writes a replay buffer (`rollout_batch`) and held-out evaluation all go through it."""
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from jalign import sampling
 from jalign.data.prompts import Prompt, left_pad
+from jalign.models.sharding import to_host
 from jalign.rl.rewards import Batch, RewardSpec
 from jalign.tokenizer import Tokenizer
 
@@ -22,29 +24,84 @@ class SamplingSpec:
   num_samples: int = 4
 
 
-def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, rewards: RewardSpec,
-                  policy_id: str, *, mesh=None, rules=None, model_reward=None) -> tuple[list[dict], dict[str, float]]:
-  """Records (one per completion, groups consecutive) and batch statistics. `mesh`/`rules`: sampling layout;
-  `model_reward`: a `jalign.rl.model_reward.ModelReward` added to the rewards with its weight."""
+@dataclasses.dataclass
+class Samples:
+  """Completions of `prompts`, each repeated `n` times in order (prompt i owns rows i*n .. i*n+n-1)."""
+  prompts: list[Prompt]
+  n: int
+  tokens: np.ndarray          # [N, R] token ids, pad after each length
+  lengths: np.ndarray         # [N]
+  texts: list[str]
+  logprobs: np.ndarray        # [N, R] the sampling distribution's log-probs of the tokens
+  finish: np.ndarray          # [N] 1 = stopped on a stop token, 0 = ran out of max_new_tokens
+
+  def owners(self) -> list[Prompt]:
+    return [self.prompts[i // self.n] for i in range(len(self.tokens))]
+
+  def truths(self) -> list:
+    return [p.ground_truth for p in self.owners()]
+
+  def prompt_arrays(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompt ids and mask [N, P], one row per completion."""
+    ids, mask = left_pad(self.prompts, pad_id)
+    return np.repeat(ids, self.n, 0), np.repeat(mask, self.n, 0)
+
+
+def sample(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, *, mesh=None,
+           rules=None) -> Samples:
+  """`spec.num_samples` completions of each prompt, decoded. `mesh`/`rules`: the sampling layout."""
   ids, mask = left_pad(prompts, tok.pad_id)
   stop = tuple(t for t in (tok.eos_id,) if t is not None)
   out = sampling.generate(lm, ids, mask, rng, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, stop_token_ids=stop,
                           num_samples=spec.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=rules)
-  tokens, logprobs, lengths, finish = (np.asarray(jax.device_get(x)) for x in
-                                       (out.tokens, out.logprobs, out.lengths, out.finish_reason))
-  n = spec.num_samples
-  completions = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
-  owners = [prompts[i // n] for i in range(len(tokens))]
-  total, _ = rewards(Batch(completions, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
+  tokens, lengths, logprobs, finish = to_host((out.tokens, out.lengths, out.logprobs, out.finish_reason))
+  texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
+  return Samples(prompts, spec.num_samples, tokens, lengths, texts, logprobs, finish)
+
+
+def concat(parts: list[Samples]) -> Samples:
+  """One Samples of several batches' (the same n)."""
+  cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+  return Samples([q for p in parts for q in p.prompts], parts[0].n, cat("tokens"), cat("lengths"),
+                 [t for p in parts for t in p.texts], cat("logprobs"), cat("finish"))
+
+
+def score(samples: Samples, rewards: RewardSpec, *, pad_id: int,
+          model_reward=None) -> tuple[np.ndarray, np.ndarray | None]:
+  """Rewards [N] and the reward model's (unweighted) share of them (None without one). `model_reward`: a
+  `jalign.rl.model_reward.ModelReward`, added with its weight."""
+  owners = samples.owners()
+  scores, _ = rewards(Batch(samples.texts, [p.ground_truth for p in owners], samples.lengths,
+                            [p.where for p in owners]))
+  rm_scores = None
   if model_reward is not None:
-    n = spec.num_samples
-    total = total + model_reward.weight * model_reward(np.repeat(ids, n, 0), np.repeat(mask, n, 0), tokens, lengths)
-  records = [dict(prompt_index=p.index, group_id=p.index, sample=i % n, prompt_ids=list(map(int, p.ids)),
-                  response_ids=tokens[i, :lengths[i]].astype(int).tolist(),
-                  behaviour_logprobs=logprobs[i, :lengths[i]].astype(float).tolist(), reward=float(total[i]),
-                  ground_truth=p.ground_truth, finish_reason=int(finish[i]), prompt=p.text, completion=completions[i],
-                  policy=policy_id) for i, p in enumerate(owners)]
-  stats = {"rollout/reward_mean": float(np.mean(total)), "rollout/response_length_mean": float(np.mean(lengths)),
-           "rollout/new_tokens": float(np.sum(lengths)), "rollout/stopped_frac": float(np.mean(finish))}
+    rm_scores = model_reward(*samples.prompt_arrays(pad_id), samples.tokens, samples.lengths)
+    scores = scores + model_reward.weight * rm_scores
+  return scores, rm_scores
+
+
+def model_rows(prompt_ids: np.ndarray, prompt_mask: np.ndarray, response: np.ndarray, lengths: np.ndarray) -> dict:
+  """The columns a policy, reference or critic forward reads: left-padded prompts [N, P] followed by responses
+  [N, R] of `lengths` tokens, positions counting real tokens only."""
+  response_mask = (np.arange(response.shape[1])[None] < lengths[:, None]).astype(np.int32)
+  segment = np.concatenate([prompt_mask, response_mask], 1)
+  return {"tokens": np.concatenate([prompt_ids, response], 1).astype(np.int32),
+          "segment_ids": segment.astype(np.int32),
+          "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
+          "response": response.astype(np.int32), "response_mask": response_mask}
+
+
+def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, rewards: RewardSpec,
+                  policy_id: str, *, mesh=None, rules=None, model_reward=None) -> tuple[list[dict], dict[str, float]]:
+  """Replay-buffer records (one per completion, groups consecutive) and batch statistics."""
+  s = sample(lm, tok, prompts, rng, spec, mesh=mesh, rules=rules)
+  total, _ = score(s, rewards, pad_id=tok.pad_id, model_reward=model_reward)
+  records = [dict(prompt_index=p.index, group_id=p.index, sample=i % s.n, prompt_ids=list(map(int, p.ids)),
+                  response_ids=s.tokens[i, :s.lengths[i]].astype(int).tolist(),
+                  behaviour_logprobs=s.logprobs[i, :s.lengths[i]].astype(float).tolist(), reward=float(total[i]),
+                  ground_truth=p.ground_truth, finish_reason=int(s.finish[i]), prompt=p.text, completion=s.texts[i],
+                  policy=policy_id) for i, p in enumerate(s.owners())]
+  stats = {"rollout/reward_mean": float(np.mean(total)), "rollout/response_length_mean": float(np.mean(s.lengths)),
+           "rollout/new_tokens": float(np.sum(s.lengths)), "rollout/stopped_frac": float(np.mean(s.finish))}
   return records, stats

@@ -10,7 +10,7 @@ from jalign import models
 from jalign.config import RunConfig
 from jalign.models import lora
 from jalign.objectives import ppo
-from jalign.train import loop, optimizer as optim_lib
+from jalign.train import optimizer as optim_lib, step as step_lib
 
 
 class Critic:
@@ -19,12 +19,12 @@ class Critic:
     optimizer, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=g.critic_lr), cfg.train.steps,
                                          g.updates_per_step)
     # With LoRA the adapters and the head train; the base (shared with the policy) stays frozen.
-    t = loop.trainable(ppo.make_critic(policy_lm, seed=cfg.seed + 1), optimizer, mesh, cfg.mesh.rules)
+    t = step_lib.trainable(ppo.make_critic(policy_lm, seed=cfg.seed + 1), optimizer, mesh, cfg.mesh.rules)
     self.graphdef, self.state, self.frozen = t.graphdef, t.state, t.frozen
     loss = ppo.make_value_loss_fn(self.graphdef, ppo.ValueLossConfig(clip=g.value_clip, agg=g.agg,
                                                                       global_rows=global_rows,
                                                                       horizon=g.loss_scale_factor))
-    self._update = loop.jit_step(loss, optimizer, schedule, 1, mesh, t)
+    self._update = step_lib.jit_step(loss, optimizer, schedule, 1, mesh, t)
     self._values = jax.jit(lambda params, batch: ppo.response_values(self.graphdef, params, batch))
 
   def values(self, batch: dict) -> jax.Array:

@@ -1,17 +1,17 @@
-"""GRPO and PPO: prompts -> `sampling.generate` (n per prompt) -> rewards -> advantages -> ppo_epochs x
+"""GRPO and PPO: prompts -> `rl.rollout.sample` (n per prompt) -> rewards -> advantages -> ppo_epochs x
 mini-batches of clipped-surrogate updates with a KL penalty to the frozen reference policy (in the loss, or
 subtracted from the reward with a fixed or adaptive coefficient). Advantages come from group baselines (GRPO,
 Dr.GRPO, RLOO, REINFORCE++-baseline), discounted returns (REINFORCE++) or GAE over a learned critic (PPO; the critic
 has its own optimizer and is updated on the same mini-batches). Online, or offline from a replay buffer.
 
-Checkpoints hold the train state, the prompt iterator, the critic and the KL coefficient; a rerun resumes where the
-last checkpoint left off.
+An objective of the shared loop (`train.loop`): it owns resume, checkpoints (the train state, the prompt iterator, and
+here the critic, the KL coefficient and the learning-rate scale), metrics, the non-finite policy, evaluation,
+preemption and export; this task builds the rollout stage and the update, and runs one step at a time.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 
 import grain
@@ -20,22 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jalign import models, parallel, sampling
+from jalign import parallel
 from jalign.models.sharding import to_host
-from jalign.config import RunConfig, as_dict, reward_spec, sampling_rules
+from jalign.config import RunConfig, reward_spec, sampling_rules
 from jalign.data.sources import open_source
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, Batch, RewardSpec
+from jalign.rl import rollout
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
 from jalign.rl.groups import Groups, OfflineBuffer, minibatches
 from jalign.rl.monitors import Monitors
 from jalign.data.prompts import encode_prompt, left_pad
-from jalign.train import loop, optimizer as optim_lib
-from jalign.train.checkpoint import Checkpointer, abstract_like
+from jalign.train import loop, optimizer as optim_lib, step as step_lib
 from jalign.train.critic import Critic
-from jalign.train.metrics import MetricsWriter
-from jalign.train.preemption import Preemption
 
 
 def _prompt_iterator(cfg: RunConfig, n: int):
@@ -43,304 +41,278 @@ def _prompt_iterator(cfg: RunConfig, n: int):
   return iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())
 
 
-def run(cfg: RunConfig) -> dict:
-  g, s = cfg.grpo, cfg.sampling
-  optimizer, _ = optim_lib.make(cfg.optim, cfg.train.steps)
-  setup = loop.setup(cfg, optimizer)
-  mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
-  rewards = reward_spec(cfg)
-  model_reward = None
-  if cfg.reward.model:
-    from jalign.rl.model_reward import ModelReward
-    model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
-  gen_rules = sampling_rules(cfg)
-  metric = next((n for n, _ in rewards.weights if n in NEEDS_GROUND_TRUTH), None)
-  max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
-  encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
-  offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
-  source = open_source(g.prompts, cfg.data.fields()) if offline is None else offline
-  eval_prompts = []
-  if g.eval_prompts and metric:
-    eval_source = open_source(g.eval_prompts, cfg.data.fields())
-    eval_prompts = [encode(eval_source[i], index=i, where=eval_source.where(i))
-                    for i in range(min(len(eval_source), g.eval_examples))]
+class GrpoTask(loop.Task):
+  defer_metrics = False  # a step's metrics are on the host already: its rewards and the update's sums
 
-  rows = g.prompts_per_step * s.num_samples
-  # Mini-batches are drawn as whole groups (each prompt's samples together, in order, as verl splits its rollout), so
-  # the update can run each prompt once per group.
-  group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
-  loss_cfg = objective.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode,
-                                      agg=g.agg, kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind,
-                                      entropy_coef=g.entropy_coef, temperature=s.temperature, group_size=group_size,
-                                      tis_cap=g.tis_imp_ratio_cap, norm_rows=rows // g.mini_batches,
-                                      tau_pos=g.tau_pos, tau_neg=g.tau_neg,
-                                      horizon=g.loss_scale_factor)
-  # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
-  compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
-  batch_sharding = parallel.batch_sharding(mesh)
-  rep = parallel.replicated(mesh)
-  # A mini-batch's rows, taken in one compiled program: eager indexing of a global array runs several small
-  # programs per column, and two processes could enter them in different orders and wait on each other.
-  take_rows = jax.jit(lambda batch, rows_R: jax.tree.map(lambda v: v[rows_R], batch), out_shardings=batch_sharding)
+  def build(self, setup: loop.Setup, optimizer, schedule):
+    cfg, g, s = self.cfg, self.cfg.grpo, self.cfg.sampling
+    self.setup = setup
+    mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
+    self.rewards = reward_spec(cfg)
+    self.model_reward = None
+    if cfg.reward.model:
+      from jalign.rl.model_reward import ModelReward
+      self.model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
+    self.spec = rollout.SamplingSpec(s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.min_p, s.num_samples)
+    self.gen_rules = sampling_rules(cfg)
+    self.metric = next((n for n, _ in self.rewards.weights if n in NEEDS_GROUND_TRUTH), None)
+    max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
+    self.encode_prompt = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
+    self.offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
+    self.source = open_source(g.prompts, cfg.data.fields()) if self.offline is None else self.offline
+    self.eval_prompts = []
+    if g.eval_prompts and self.metric:
+      eval_source = open_source(g.eval_prompts, cfg.data.fields())
+      self.eval_prompts = [self.encode_prompt(eval_source[i], index=i, where=eval_source.where(i))
+                           for i in range(min(len(eval_source), g.eval_examples))]
 
-  def build_update(lr_scale: float, mini_batch_rows: int):
+    self.rows = g.prompts_per_step * s.num_samples
+    # Mini-batches are drawn as whole groups (each prompt's samples together, in order, as verl splits its rollout),
+    # so the update can run each prompt once per group.
+    self.group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
+    self.loss_cfg = objective.GrpoLossConfig(
+        clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode, agg=g.agg,
+        kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind, entropy_coef=g.entropy_coef,
+        temperature=s.temperature, group_size=self.group_size, tis_cap=g.tis_imp_ratio_cap,
+        norm_rows=self.rows // g.mini_batches, tau_pos=g.tau_pos, tau_neg=g.tau_neg, horizon=g.loss_scale_factor)
+    # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
+    self.compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
+    self.batch_sharding = parallel.batch_sharding(mesh)
+    self.rep = parallel.replicated(mesh)
+    # A mini-batch's rows, taken in one compiled program: eager indexing of a global array runs several small
+    # programs per column, and two processes could enter them in different orders and wait on each other.
+    self.take_rows = jax.jit(lambda batch, rows_R: jax.tree.map(lambda v: v[rows_R], batch),
+                             out_shardings=self.batch_sharding)
+    self.lr_scale = 1.0
+    self.updates = {}  # mini-batch rows -> jitted update at the current lr_scale
+    logprobs_fn = lambda params, batch: objective.response_logprobs(  # noqa: E731
+        graphdef, params, batch, s.temperature, cfg.logprobs.options(), self.group_size)[0]
+    self.logprobs = jax.jit(logprobs_fn)
+    self.reference = setup.reference()
+    self.ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, self.reference)) if cfg.model.offload_reference \
+        else self.logprobs
+    # The reference acts through the KL coefficient only: at 0 (DAPO's recipe, no KL term) its forward runs on the
+    # steps that report the KL to it, not on every step.
+    self.ref_every_step = bool(g.kl_coef) or g.kl_in_reward or g.kl_ctrl == "adaptive" or bool(g.max_kl)
+    self.report_kl = jax.jit(lambda logp, ref_logp, mask: adv_lib.masked_mean(
+        policy_lib.kl_penalty(logp, ref_logp, g.kl_kind), mask.astype(jnp.float32)), out_shardings=self.rep)
+    self.critic = Critic(cfg, nnx.merge(graphdef, setup.full(setup.state.params)), mesh,
+                         self.rows // g.mini_batches) if g.adv_estimator == "gae" else None
+    self.kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
+    self.key = jax.random.key(cfg.seed)
+    self.monitors = Monitors(entropy_floor=g.entropy_floor, no_signal_warn_steps=g.no_signal_warn_steps)
+    self.initial_acc = None
+    self.step = 0
+    self.last: dict = {}
+    self.iterator = _prompt_iterator(cfg, len(self.source))
+    return self.iterator
+
+  def _update_fn(self, mini_batch_rows: int):
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
     not depend on it, so lowering it mid-run only recompiles), for mini-batches of `mini_batch_rows` rows."""
-    loss_fn = objective.make_loss_fn(graphdef, dataclasses.replace(loss_cfg, global_rows=mini_batch_rows),
-                                     cfg.logprobs.options())
-    opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
-                                   g.updates_per_step)
-    jitted = loop.jit_step(loss_fn, opt, schedule, 1, mesh, setup.trainable(), dropout_seed=loop.dropout_seed(cfg))
-    return lambda state, batch: jitted(state, batch, setup.frozen)
+    if mini_batch_rows not in self.updates:
+      cfg, s = self.cfg, self.setup
+      loss_fn = objective.make_loss_fn(s.graphdef, dataclasses.replace(self.loss_cfg, global_rows=mini_batch_rows),
+                                       cfg.logprobs.options())
+      opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * self.lr_scale),
+                                     cfg.train.steps, cfg.grpo.updates_per_step)
+      jitted = step_lib.jit_step(loss_fn, opt, schedule, 1, s.mesh, s.trainable(), dropout_seed=loop.dropout_seed(cfg))
+      self.updates[mini_batch_rows] = lambda state, batch: jitted(state, batch, s.frozen)
+    return self.updates[mini_batch_rows]
 
-  lr_scale = 1.0
-  updates = {}  # mini-batch rows -> jitted update at the current lr_scale
-
-  def update(state, batch):
-    n = batch["response"].shape[0]
-    if n not in updates:
-      updates[n] = build_update(lr_scale, n)
-    return updates[n](state, batch)
-  logprobs_fn = lambda params, batch: objective.response_logprobs(graphdef, params, batch, s.temperature,  # noqa
-                                                                   cfg.logprobs.options(), group_size)[0]
-  logprobs = jax.jit(logprobs_fn)
-  state = setup.state
-  full = setup.full
-  reference = setup.reference()
-  ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, reference)) if cfg.model.offload_reference else logprobs
-  # The reference acts through the KL coefficient only: at 0 (DAPO's recipe, no KL term) its forward runs on the steps
-  # that report the KL to it, not on every step.
-  ref_every_step = bool(g.kl_coef) or g.kl_in_reward or g.kl_ctrl == "adaptive" or bool(g.max_kl)
-  report_kl = jax.jit(lambda logp, ref_logp, mask: adv_lib.masked_mean(
-      policy_lib.kl_penalty(logp, ref_logp, g.kl_kind), mask.astype(jnp.float32)), out_shardings=rep)
-  critic = Critic(cfg, nnx.merge(graphdef, full(state.params)), mesh, rows // g.mini_batches) \
-      if g.adv_estimator == "gae" else None
-  kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
-
-  def extra_state():
+  def extra_state(self):
     extra = {}
-    if critic is not None:
-      extra["critic"] = critic.state
-    if kl_ctl is not None:
-      extra["kl_coef"] = jax.device_put(jnp.asarray(kl_ctl.value, jnp.float32), rep)
-    if g.max_kl_action == "lower_lr":
-      extra["lr_scale"] = jax.device_put(jnp.asarray(lr_scale, jnp.float32), rep)
+    if self.critic is not None:
+      extra["critic"] = self.critic.state
+    if self.kl_ctl is not None:
+      extra["kl_coef"] = jax.device_put(jnp.asarray(self.kl_ctl.value, jnp.float32), self.rep)
+    if self.cfg.grpo.max_kl_action == "lower_lr":
+      extra["lr_scale"] = jax.device_put(jnp.asarray(self.lr_scale, jnp.float32), self.rep)
     return extra or None
 
-  prompts_it = _prompt_iterator(cfg, len(source))
-  ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
-                      async_save=cfg.checkpoint.async_save)
-  start = 0
-  latest = ckpt.latest_intact_step() if cfg.checkpoint.resume else None
-  if latest is not None:
-    extra = extra_state()
-    if extra is None:
-      state = ckpt.restore(latest, abstract_like(state), prompts_it)
-    else:
-      state, extra = ckpt.restore(latest, abstract_like(state), prompts_it, abstract_extra=abstract_like(extra))
-      if critic is not None:
-        critic.state = extra["critic"]
-      if kl_ctl is not None:
-        kl_ctl.value = float(extra["kl_coef"])
-      if g.max_kl_action == "lower_lr" and float(extra["lr_scale"]) != lr_scale:
-        lr_scale = float(extra["lr_scale"])
-    start = latest
-  writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, as_dict(cfg))
-  if latest is not None:
-    writer.print(f"resumed from {ckpt.directory}/{latest}")
-  key = jax.random.key(cfg.seed)
-  policy = lambda st: nnx.merge(graphdef, full(st.params))
-  monitors = Monitors(entropy_floor=g.entropy_floor, no_signal_warn_steps=g.no_signal_warn_steps)
+  def load_extra_state(self, extra) -> None:
+    if self.critic is not None:
+      self.critic.state = extra["critic"]
+    if self.kl_ctl is not None:
+      self.kl_ctl.value = float(extra["kl_coef"])
+    if "lr_scale" in extra:
+      self.lr_scale = float(extra["lr_scale"])
+      self.updates.clear()
 
-  def collect(indices, gen_key) -> Groups:
+  def where(self, records) -> list[str]:
+    return list(records)
+
+  def _policy(self, params):
+    return nnx.merge(self.setup.graphdef, params)
+
+  def begin(self, state, start: int) -> None:
+    """The held-out accuracy of the initial policy (the reference, also on resume), written at `start`."""
+    self.step = start
+    if not self.eval_prompts:
+      return
+    on_device = parallel.in_memory(self.reference, "device") if self.cfg.model.offload_reference else self.reference
+    self.initial_acc = accuracy(self._policy(on_device), self.setup.tok, self.eval_prompts, self.metric,
+                                self.cfg.sampling.max_new_tokens)
+    del on_device
+    self.say(f"held-out {self.metric} accuracy of the initial policy: {self.initial_acc:.4f}")
+    self.log.write(start, {"eval/accuracy": self.initial_acc})
+    self.monitors.after_eval(start, self.initial_acc, len(self.eval_prompts))
+
+  def evaluate(self, setup, params) -> dict:
+    if not self.eval_prompts:
+      return {}
+    acc = accuracy(self._policy(params), setup.tok, self.eval_prompts, self.metric, self.cfg.sampling.max_new_tokens)
+    signals, warnings = self.monitors.after_eval(self.step, acc, len(self.eval_prompts))
+    for line in warnings:
+      self.say(f"warning: {line}")
+    return {"eval/accuracy": acc, "eval/accuracy_initial": self.initial_acc, **signals}
+
+  def eval_message(self, step: int, metrics: dict, final: bool) -> str:
+    kl, acc = self.last.get("actor/kl_loss", 0.0), metrics["eval/accuracy"]
+    if final:
+      return (f"held-out {self.metric} accuracy: {self.initial_acc:.4f} -> {acc:.4f} "
+              f"({(acc - self.initial_acc) * 100:+.1f} points); KL to reference {kl:.4f}")
+    return f"step {step}: held-out {self.metric} accuracy {acc:.4f}  KL to reference {kl:.4f}"
+
+  def _collect(self, state, indices, gen_key) -> Groups:
     """One prompt batch's groups: sampled and scored online, or read from the replay buffer offline."""
     indices = [int(i) for i in indices]
-    if offline is not None:
-      prompts, response, lengths, scores, behaviour = offline.batch(indices, tok.pad_id)
-      return Groups(prompts, s.num_samples, response, lengths, scores, behaviour)
-    prompts = [encode(source[i], index=i, where=source.where(i)) for i in indices]
-    ids, mask = left_pad(prompts, tok.pad_id)
-    out = sampling.generate(policy(state), ids, mask, gen_key, max_new_tokens=s.max_new_tokens,
-                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                            stop_token_ids=(tok.eos_id,), num_samples=s.num_samples, pad_id=tok.pad_id, mesh=mesh,
-                            rules=gen_rules)
-    response, lengths = to_host((out.tokens, out.lengths))
-    scores, rm_scores = score(prompts, ids, mask, response, lengths, s.num_samples)
+    tok = self.setup.tok
+    if self.offline is not None:
+      prompts, response, lengths, scores, behaviour = self.offline.batch(indices, tok.pad_id)
+      return Groups(prompts, self.spec.num_samples, response, lengths, scores, behaviour)
+    prompts = [self.encode_prompt(self.source[i], index=i, where=self.source.where(i)) for i in indices]
+    lm = self._policy(self.setup.full(state.params))
+    sampled = rollout.sample(lm, tok, prompts, gen_key, self.spec, mesh=self.setup.mesh, rules=self.gen_rules)
+    scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=tok.pad_id, model_reward=self.model_reward)
     baselines = None
-    if g.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
-      greedy = sampling.generate(policy(state), ids, mask, gen_key, max_new_tokens=s.max_new_tokens,
-                                 temperature=0.0, stop_token_ids=(tok.eos_id,), pad_id=tok.pad_id, mesh=mesh,
-                                 rules=gen_rules)
-      baselines = np.repeat(score(prompts, ids, mask, *to_host((greedy.tokens, greedy.lengths)), 1)[0],
-                            s.num_samples)
-    return Groups(prompts, s.num_samples, response, lengths, scores, None, rm_scores, baselines)
+    if self.cfg.grpo.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
+      greedy_spec = rollout.SamplingSpec(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
+      greedy = rollout.sample(lm, tok, prompts, gen_key, greedy_spec, mesh=self.setup.mesh, rules=self.gen_rules)
+      baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=tok.pad_id,
+                                          model_reward=self.model_reward)[0], self.spec.num_samples)
+    return Groups(prompts, self.spec.num_samples, sampled.tokens, sampled.lengths, scores, None, rm_scores,
+                  baselines)
 
-  def score(prompts, ids, mask, response, lengths, n):
-    """Rewards [B * n] of the responses (n per prompt) and the reward model's share of them (or None)."""
-    owners = [prompts[i // n] for i in range(len(response))]
-    texts = [tok.decode(response[i, :lengths[i]]) for i in range(len(response))]
-    scores, _ = rewards(Batch(texts, [p.ground_truth for p in owners], lengths, [p.where for p in owners]))
-    rm_scores = None
-    if model_reward is not None:
-      rm_scores = model_reward(np.repeat(ids, n, 0), np.repeat(mask, n, 0), response, lengths)
-      scores = scores + model_reward.weight * rm_scores
-    return scores, rm_scores
+  def train_step(self, state, step: int):
+    cfg, g, n = self.cfg, self.cfg.grpo, self.spec.num_samples
+    full, tok = self.setup.full, self.setup.tok
+    self.step = step
+    t0 = time.perf_counter()
+    step_key = jax.random.fold_in(self.key, step - 1)
+    batches = [self._collect(state, next(self.iterator), step_key)]
+    if g.dynamic_sampling:  # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
+      while sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step and len(batches) < g.max_gen_batches:
+        batches.append(self._collect(state, next(self.iterator), jax.random.fold_in(step_key, len(batches) + 1)))
+    sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
+    signal = sampled.informative()
+    trained = sampled
+    if self.compact_unit:  # leave out the groups the loss would mask: the same loss for less work
+      kept = -(-int(signal.sum()) // self.compact_unit) * self.compact_unit
+      trained = Groups.select([sampled], max(kept, self.compact_unit))
+    t_gen = time.perf_counter() - t0
 
-  with Preemption(cfg.checkpoint.preempt_grace_s, ckpt.newest_complete) as preempt, jax.set_mesh(mesh):
-    initial_acc = None
-    if eval_prompts:
-      on_device = parallel.in_memory(reference, "device") if cfg.model.offload_reference else reference
-      initial_acc = accuracy(nnx.merge(graphdef, on_device), tok, eval_prompts, metric, s.max_new_tokens)
-      del on_device
-      writer.print(f"held-out {metric} accuracy of the initial policy: {initial_acc:.4f}")
-      writer.write(start, {"eval/accuracy": initial_acc})
-      monitors.after_eval(start, initial_acc, len(eval_prompts))
-    final: dict[str, float] = {}
-    for step in range(start, cfg.train.steps):
-      t0 = time.perf_counter()
-      step_key = jax.random.fold_in(key, step)
-      batches = [collect(next(prompts_it), step_key)]
-      if g.dynamic_sampling:  # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
-        while sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step \
-            and len(batches) < g.max_gen_batches:
-          batches.append(collect(next(prompts_it), jax.random.fold_in(step_key, len(batches) + 1)))
-      sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
-      signal = sampled.informative()
-      sampled_metrics = {"critic/score/mean": float(np.mean(sampled.scores)),
-                         "response_length/mean": float(np.mean(sampled.lengths)),
-                         "actor/informative_groups": float(np.mean(signal))}
-      trained = sampled
-      if compact_unit:  # leave out the groups the loss would mask: the same loss for less work
-        kept = -(-int(signal.sum()) // compact_unit) * compact_unit
-        trained = Groups.select([sampled], max(kept, compact_unit))
-      prompts, response, lengths, scores, behaviour = (trained.prompts, trained.response, trained.lengths,
-                                                       trained.scores, trained.behaviour)
-      ids, mask = left_pad(prompts, tok.pad_id)
-      t_gen = time.perf_counter() - t0
+    ids, mask = left_pad(trained.prompts, tok.pad_id)
+    batch = rollout.model_rows(np.repeat(ids, n, 0), np.repeat(mask, n, 0), trained.response, trained.lengths)
+    response_mask = batch["response_mask"]
+    # Offline, the clipped ratio is taken against the stored behaviour log-probs, or (TIS) against the policy before
+    # this step's update, the behaviour log-probs then giving each token's truncated importance weight.
+    old_is_current = trained.behaviour is None or bool(g.tis_imp_ratio_cap)
+    if trained.behaviour is not None:
+      batch["behaviour_logp" if g.tis_imp_ratio_cap else "old_logp"] = trained.behaviour
+    device_batch = loop.global_from_full(batch, self.batch_sharding)
+    if old_is_current and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
+      device_batch["old_logp"] = self.logprobs(full(state.params), device_batch)  # else on-policy: objectives.grpo
+    logs = step % cfg.train.log_every == 0 or step == cfg.train.steps
+    evals = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_prompts)
+    kl_to_ref = None
+    if self.ref_every_step:
+      device_batch["ref_logp"] = self.ref_logprobs(self.reference, device_batch)
+    elif logs or evals:  # the policy's log-probs before this step's update, as the loss would see them on-policy
+      current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
+          self.logprobs(full(state.params), device_batch)
+      kl_to_ref = (current, self.ref_logprobs(self.reference, device_batch))
+    kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
+    groups = np.repeat(np.arange(len(trained.prompts)), n)
+    adv, extra_cols, adv_metrics = _advantages(g, device_batch, trained.scores, groups, self.critic, kl_coef,
+                                               trained.baselines)
+    if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
+      extra_cols["response_mask"] = response_mask * np.repeat(trained.informative(), n)[:, None]
+    no_signal = not np.any((adv != 0) & (extra_cols.get("response_mask", response_mask) > 0))
+    skip_update = no_signal and g.no_signal == "skip" and self.critic is None  # a critic still learns the returns
+    device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, self.batch_sharding))
+    if kl_to_ref is not None:
+      kl_to_ref = float(self.report_kl(*kl_to_ref, device_batch["response_mask"]))
+    if self.kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
+      self.kl_ctl.value = float(np.float32(self.kl_ctl.update(adv_metrics["actor/reward_kl"], self.rows)))
 
-      groups = np.repeat(np.arange(len(prompts)), s.num_samples)
-      response_mask = (np.arange(s.max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
-      informative = np.repeat(trained.informative(), s.num_samples)
-      prompt_ids, prompt_mask = np.repeat(ids, s.num_samples, 0), np.repeat(mask, s.num_samples, 0)
-      segment = np.concatenate([prompt_mask, response_mask], 1)
-      batch = {"tokens": np.concatenate([prompt_ids, response], 1).astype(np.int32),
-               "segment_ids": segment.astype(np.int32),
-               "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
-               "response": response.astype(np.int32), "response_mask": response_mask}
-      # Offline, the clipped ratio is taken against the stored behaviour log-probs, or (TIS) against the policy
-      # before this step's update, the behaviour log-probs then giving each token's truncated importance weight.
-      old_is_current = behaviour is None or bool(g.tis_imp_ratio_cap)
-      if behaviour is not None:
-        batch["behaviour_logp" if g.tis_imp_ratio_cap else "old_logp"] = behaviour
-      device_batch = loop.global_from_full(batch, batch_sharding)
-      if old_is_current and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
-        device_batch["old_logp"] = logprobs(full(state.params), device_batch)  # else on-policy: see objectives.grpo
-      logs = (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps
-      evals = bool(cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and eval_prompts)
-      kl_to_ref = None
-      if ref_every_step:
-        device_batch["ref_logp"] = ref_logprobs(reference, device_batch)
-      elif logs or evals:  # the policy's log-probs before this step's update, as the loss would see them on-policy
-        current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
-            logprobs(full(state.params), device_batch)
-        kl_to_ref = (current, ref_logprobs(reference, device_batch))
-      kl_coef = kl_ctl.value if kl_ctl is not None else g.kl_coef
-      adv, extra_cols, adv_metrics = _advantages(g, device_batch, scores, groups, critic, kl_coef, trained.baselines)
-      if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
-        extra_cols["response_mask"] = response_mask * informative[:, None]
-      no_signal = not np.any((adv != 0) & (extra_cols.get("response_mask", response_mask) > 0))
-      skip_update = no_signal and g.no_signal == "skip" and critic is None  # a critic still learns the returns
-      device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, batch_sharding))
-      if kl_to_ref is not None:
-        kl_to_ref = float(report_kl(*kl_to_ref, device_batch["response_mask"]))
-      if kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
-        kl_ctl.value = float(np.float32(kl_ctl.update(adv_metrics["actor/reward_kl"], rows)))
+    t1 = time.perf_counter()
+    state, metrics = self._update(state, device_batch, step, epochs=0 if skip_update else g.ppo_epochs)
+    metrics.update(adv_metrics)
+    metrics["actor/no_signal"] = float(no_signal)
+    if no_signal and logs:
+      self.say(f"step {step}: no signal this step ({int(signal.sum())} of {len(signal)} groups have rewards that "
+               "differ; every advantage is 0)" + ("; update skipped" if skip_update else ""))
+    if kl_to_ref is not None:
+      metrics["actor/kl_loss"] = kl_to_ref
+    if self.kl_ctl is not None or g.kl_in_reward:
+      metrics["actor/kl_coef"] = kl_coef
+    if sampled.rm_scores is not None:
+      metrics["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
+    metrics.update({"critic/score/mean": float(np.mean(sampled.scores)),
+                    "response_length/mean": float(np.mean(sampled.lengths)),
+                    "actor/informative_groups": float(np.mean(signal)),
+                    "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
+                    "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": len(batches),
+                    "actor/update_groups": len(trained.prompts)})
+    signals, warnings = self.monitors.after_step(step, metrics, _example(trained, tok, self.rewards)
+                                                 if no_signal else "")
+    metrics.update(signals)
+    for line in warnings:
+      self.say(f"warning: {line}")
+    self._kl_bound(step, metrics.get("actor/kl_loss", 0.0))
+    self.last = metrics
+    return state, loop.StepOut(metrics, records=[p.where for p in trained.prompts])
 
-      t1 = time.perf_counter()
-      sums: dict[str, float] = {}
-      order_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
-      for epoch in range(0 if skip_update else g.ppo_epochs):
-        for chunk in minibatches(jax.random.fold_in(order_key, epoch), len(response), g.mini_batches, group_size):
-          mb = device_batch if g.mini_batches == 1 else take_rows(device_batch,
-                                                                   jax.device_put(np.asarray(chunk, np.int32), rep))
-          m = {}
-          if critic is None or step >= g.critic_warmup:
-            state, m = update(state, mb)
-          if critic is not None:
-            m = {**m, **critic.update(mb)}
-          for k, v in jax.device_get(m).items():
-            sums[k] = float(v) if k.endswith("skipped_nonfinite") else sums.get(k, 0.0) + float(v)  # counts
-      n_updates = g.updates_per_step
-      metrics = {k.replace("train/loss", "actor/loss"): v if k.endswith("skipped_nonfinite") else v / n_updates
-                 for k, v in sums.items()}
-      metrics.update(adv_metrics)
-      metrics["actor/no_signal"] = float(no_signal)
-      if no_signal and logs:
-        writer.print(f"step {step + 1}: no signal this step ({int(signal.sum())} of {len(signal)} groups have "
-                     "rewards that differ; every advantage is 0)" + ("; update skipped" if skip_update else ""))
-      if kl_to_ref is not None:
-        metrics["actor/kl_loss"] = kl_to_ref
-      if metrics.get("train/nonfinite", 0.0) > 0 or metrics.get("critic/nonfinite", 0.0) > 0:
-        if cfg.train.nonfinite == "stop":
-          ckpt.wait()
-          raise loop.NonFiniteError(loop.nonfinite_message(step + 1, metrics, [p.where for p in prompts],
-                                                           ckpt.directory, ckpt.latest_step()))
-        skipped = metrics.get("train/skipped_nonfinite", 0) + metrics.get("critic/skipped_nonfinite", 0)
-        writer.print(f"step {step + 1}: non-finite loss or gradient; update(s) skipped ({int(skipped)} so far)")
-      if kl_ctl is not None or g.kl_in_reward:
-        metrics["actor/kl_coef"] = kl_coef
-      if sampled.rm_scores is not None:
-        metrics["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
-      metrics.update({**sampled_metrics, "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
-                      "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": len(batches),
-                      "actor/update_groups": len(prompts)})
-      signals, warnings = monitors.after_step(step + 1, metrics, _example(trained, tok, rewards) if no_signal else "")
-      metrics.update(signals)
-      for line in warnings:
-        writer.print(f"warning: {line}")
-      final = metrics
-      if logs:
-        writer.write(step + 1, metrics)
-      writer.advance()
-      if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
-        ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
-      if evals:
-        acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
-        signals, warnings = monitors.after_eval(step + 1, acc, len(eval_prompts))
-        writer.write(step + 1, {"eval/accuracy": acc, **signals})
-        for line in warnings:
-          writer.print(f"warning: {line}")
-        writer.print(f"step {step + 1}: held-out {metric} accuracy {acc:.4f}  KL to reference "
-                     f"{metrics.get('actor/kl_loss', 0.0):.4f}")
-      if g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl and g.max_kl_action == "lower_lr":
-        lr_scale = float(np.float32(lr_scale * g.kl_lr_factor))
-        updates.clear()
-        writer.print(f"step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds grpo.max_kl="
-                     f"{g.max_kl}; learning rate lowered to {lr_scale:g} x optim.lr")
-        writer.write(step + 1, {"monitor/lr_scale": lr_scale})
-      elif g.max_kl and metrics.get("actor/kl_loss", 0.0) > g.max_kl:
-        ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state())
-        writer.print(f"stopping at step {step + 1}: KL to the reference {metrics['actor/kl_loss']:.4f} exceeds "
-                     f"grpo.max_kl={g.max_kl}; checkpoint saved")
-        break
-      if preempt.should_stop(step + 1) and step + 1 < cfg.train.steps:
-        preempt.stop(step + 1, lambda: ckpt.save(step + 1, state, prompts_it, as_dict(cfg), extra=extra_state()),
-                     ckpt, writer, saved_already=bool(cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0))
+  def _update(self, state, device_batch: dict, step: int, epochs: int):
+    """`epochs` passes of shuffled mini-batches through the policy update (and the critic's); the metrics averaged
+    over the updates (the skip counts as they stand)."""
+    g = self.cfg.grpo
+    sums: dict[str, float] = {}
+    order_key = jax.random.fold_in(jax.random.fold_in(self.key, step - 1), 1)
+    for epoch in range(epochs):
+      for chunk in minibatches(jax.random.fold_in(order_key, epoch), len(device_batch["response"]), g.mini_batches,
+                               self.group_size):
+        mb = device_batch if g.mini_batches == 1 else self.take_rows(
+            device_batch, jax.device_put(np.asarray(chunk, np.int32), self.rep))
+        m = {}
+        if self.critic is None or step - 1 >= g.critic_warmup:
+          state, m = self._update_fn(mb["response"].shape[0])(state, mb)
+        if self.critic is not None:
+          m = {**m, **self.critic.update(mb)}
+        for k, v in jax.device_get(m).items():
+          sums[k] = float(v) if k.endswith("skipped_nonfinite") else sums.get(k, 0.0) + float(v)  # counts
+    metrics = {k.replace("train/loss", "actor/loss"): v if k.endswith("skipped_nonfinite") else v / g.updates_per_step
+               for k, v in sums.items()}
+    return state, metrics
+
+  def _kl_bound(self, step: int, kl: float) -> None:
+    """grpo.max_kl: past it, lower the learning rate for the next steps or end the run here."""
+    g = self.cfg.grpo
+    if not g.max_kl or kl <= g.max_kl:
+      return
+    if g.max_kl_action == "lower_lr":
+      self.lr_scale = float(np.float32(self.lr_scale * g.kl_lr_factor))
+      self.updates.clear()
+      self.say(f"step {step}: KL to the reference {kl:.4f} exceeds grpo.max_kl={g.max_kl}; learning rate lowered "
+               f"to {self.lr_scale:g} x optim.lr")
+      self.log.write(step, {"monitor/lr_scale": self.lr_scale})
     else:
-      if latest is None or latest < cfg.train.steps:
-        ckpt.save(cfg.train.steps, state, prompts_it, as_dict(cfg), extra=extra_state())
-    ckpt.close()
-    if eval_prompts:
-      acc = accuracy(policy(state), tok, eval_prompts, metric, s.max_new_tokens)
-      final["eval/accuracy"] = acc
-      final["eval/accuracy_initial"] = initial_acc
-      writer.write(cfg.train.steps, {"eval/accuracy": acc})
-      writer.print(f"held-out {metric} accuracy: {initial_acc:.4f} -> {acc:.4f} ({(acc - initial_acc) * 100:+.1f} "
-                   f"points); KL to reference {final.get('actor/kl_loss', 0.0):.4f}")
-    if cfg.checkpoint.export_hf:  # every process gathers the weights; process 0 writes
-      models.save_pretrained(policy(state), os.path.join(cfg.run_dir, "hf"), tokenizer=tok)
-  writer.close()
-  return final
+      self.stop_reason = f"KL to the reference {kl:.4f} exceeds grpo.max_kl={g.max_kl}"
+
+
+def run(cfg: RunConfig) -> dict:
+  return loop.run(cfg, GrpoTask(cfg))
 
 
 def _example(groups: Groups, tok, rewards: RewardSpec) -> str:

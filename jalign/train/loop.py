@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from jalign.train import optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_floats
 from jalign.train.preemption import Preemption
-from jalign.train.step import TrainState, make_step
+from jalign.train.step import TrainState, Trainable, jit_step, trainable
 
 
 @dataclasses.dataclass
@@ -59,18 +59,100 @@ class Setup:
     return parallel.in_memory(reference, "pinned_host") if self.cfg.model.offload_reference else reference
 
 
+@dataclasses.dataclass
+class StepOut:
+  """What one step hands the loop."""
+  metrics: dict                 # device scalars (read back while the next step runs) or floats
+  tokens: int = 0               # tokens trained on, for perf/tokens_per_s and MFU (0: not reported)
+  records: Sequence = ()        # what the batch was made of, named by `Task.where` when a step goes non-finite
+
+
 class Task:
-  """What an objective plugs into the shared loop. The defaults fit a causal LM trained on packed or bucketed
-  sequences (SFT); preference objectives override the data, model and reference hooks."""
+  """An objective as the shared loop runs it. The loop owns everything around the steps: resume, checkpoints (the
+  train state, the task's iterator and `extra_state`), metrics, the non-finite policy, evaluation at eval_every and
+  at the end, preemption and export. The task builds its steps (`build`) and runs one at a time (`train_step`).
+
+  The defaults fit objectives fed by a data pipeline: a causal LM trained on packed or bucketed sequences (SFT);
+  preference objectives override the data, model and reference hooks; RL objectives (jalign.train.grpo) override
+  `build` and `train_step` to feed their updates from a rollout stage instead."""
 
   batch_fn: Callable[[list[dict]], dict] | None = None   # examples -> batch; None = packing / buckets
+  defer_metrics = True     # device metrics read back a step late, so the host never waits on the device to log
+  eval_loss: Callable[[Any], dict] | None = None          # params -> held-out loss metrics (set by `build`)
+  log: MetricsWriter | None = None                        # set by the loop before `begin`
+  stop_reason = ""         # set by a step to end the run after it (the loop saves a checkpoint first)
 
   def __init__(self, cfg: RunConfig):
     self.cfg = cfg
 
+  def say(self, text: str) -> None:
+    """A line for the user, through the run's metrics writer (process 0 only)."""
+    if self.log is not None:
+      self.log.print(text)
+    else:
+      print(text, flush=True)
+
+  # --- the loop's hooks ---
+
   def load_model(self, cfg: RunConfig, mesh) -> nnx.Module:
     """The module whose parameters train; it has `.cfg` (the backbone's ModelConfig)."""
     return load_model(cfg, mesh)
+
+  def start(self, setup: Setup) -> None:
+    """Called once after the model is built and before anything else (the initial policy)."""
+
+  def build(self, setup: Setup, optimizer, schedule):
+    """Builds what the steps need; returns the checkpointable iterator saved with the train state."""
+    cfg = self.cfg
+    self.setup = setup
+    encode_fn = functools.partial(self.encode, tok=setup.tok, max_length=cfg.data.max_length,
+                                  truncation=cfg.data.truncation)
+    self.iterator, self.counters, self.source = data_iterator(cfg, cfg.data.train, encode_fn, train=True, task=self)
+    self.batch_sharding = parallel.batch_sharding(setup.mesh)
+    self.jitted = jit_step(self.make_loss_fn(setup.graphdef), optimizer, schedule, cfg.train.micro_batches,
+                           setup.mesh, setup.trainable(), dropout_seed=dropout_seed(cfg))
+    if cfg.data.eval:
+      self.eval_loss = _make_eval_loss(cfg, setup, self, encode_fn, self.batch_sharding)
+    return self.iterator
+
+  def begin(self, state: TrainState, start: int) -> None:
+    """Called once before the first step (at step `start`), inside the mesh."""
+
+  def train_step(self, state: TrainState, step: int) -> tuple[TrainState, StepOut]:
+    """Step number `step` (from 1): the next batch through the jitted step."""
+    s = self.setup
+    local = next(self.iterator)
+    records = pipeline.records_of(local)
+    tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
+    batch = self.prepare(s.full(state.params), self.global_batch(local, self.batch_sharding))
+    state, metrics = self.jitted(state, batch, s.frozen)
+    self.after_step(step, s.full(state.params))
+    metrics = {**metrics, "data/skipped_bad_records": self.counters.bad,
+               "data/skipped_too_long": self.counters.too_long}
+    return state, StepOut(metrics, tokens, records)
+
+  def where(self, records: Sequence) -> list[str]:
+    """File:line (or the like) of a step's records."""
+    return [self.source.where(i) for i in records]
+
+  def evaluate(self, setup: Setup, params) -> dict:
+    """Held-out metrics beyond the eval loss, at eval_every and at the end."""
+    return {}
+
+  def eval_message(self, step: int, metrics: dict, final: bool) -> str:
+    return f"step {step}: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+
+  def extra_state(self):
+    """A pytree checkpointed with the train state (None = nothing)."""
+    return None
+
+  def load_extra_state(self, tree) -> None:
+    pass
+
+  def export(self, module: nnx.Module, out_dir: str, tok) -> None:
+    models.save_pretrained(module, out_dir, tokenizer=tok)
+
+  # --- the data path's hooks ---
 
   def make_loss_fn(self, graphdef) -> Callable:
     """loss_fn(params, batch) -> (loss_sum, weight, metric_sums), as `train.step` expects."""
@@ -81,9 +163,6 @@ class Task:
 
   def open_source(self, spec: str, *, train: bool):
     return open_source(spec, self.cfg.data.fields())
-
-  def start(self, setup: Setup) -> None:
-    """Called once after the model is built and before any checkpoint is restored (the initial policy)."""
 
   def global_batch(self, local: dict, sharding) -> dict:
     """A process-local host batch -> the global device batch (every process's local batch has the same shapes)."""
@@ -96,20 +175,6 @@ class Task:
   def after_step(self, step: int, params) -> None:
     """Called after each optimizer step with the new params (e.g. a reference-model sync)."""
 
-  def extra_state(self):
-    """A pytree checkpointed with the train state (None = nothing)."""
-    return None
-
-  def load_extra_state(self, tree) -> None:
-    pass
-
-  def evaluate(self, setup: Setup, params) -> dict:
-    """Held-out metrics beyond the eval loss, at eval_every and at the end."""
-    return {}
-
-  def export(self, module: nnx.Module, out_dir: str, tok) -> None:
-    models.save_pretrained(module, out_dir, tokenizer=tok)
-
 
 def load_model(cfg: RunConfig, mesh) -> models.Decoder:
   m = cfg.model
@@ -119,44 +184,6 @@ def load_model(cfg: RunConfig, mesh) -> models.Decoder:
                                   compute_dtype=m.compute_dtype or m.dtype, **knobs)
   arch = m.arch.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, **knobs)
   return models.create(arch, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
-
-
-@dataclasses.dataclass
-class Trainable:
-  """A module split for training on a mesh: what `jit_step` and the checkpointer need."""
-  graphdef: Any
-  state: TrainState
-  state_shardings: Any
-  frozen: Any = None             # with LoRA adapters: the base weights, beside the trainable `state.params`
-  frozen_shardings: Any = None
-
-
-def trainable(module: nnx.Module, optimizer, mesh, rules) -> Trainable:
-  """The one train-state builder (policy, reward model and critic): parameters placed by the logical-axis `rules`
-  (parts built outside a loader, such as heads, land on the mesh too), the base weights set apart as frozen when the
-  module has LoRA adapters, the optimizer state initialised in its own shardings."""
-  graphdef, params = nnx.split(module)
-  params = nnx.to_pure_dict(params)
-  param_shardings = nnx.to_pure_dict(models.state_shardings(module, mesh, rules))
-  params = jax.device_put(params, param_shardings)
-  frozen = frozen_shardings = None
-  if lora.has_adapters(params):  # only the adapters (and a head) train; the base rides along, frozen
-    params, frozen = lora.partition(params)
-    param_shardings, frozen_shardings = lora.partition(param_shardings)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-  rep = parallel.replicated(mesh)
-  return Trainable(graphdef, TrainState.begin(params, opt_state, rep),
-                   TrainState(rep, param_shardings, opt_shardings, rep), frozen, frozen_shardings)
-
-
-def jit_step(loss_fn, optimizer, schedule, micro_batches: int, mesh, t: Trainable, *, dropout_seed=None):
-  """The one jitted train step: (state, batch, frozen) -> (state, metrics), the state donated."""
-  step_fn = make_step(loss_fn, optimizer, schedule, micro_batches,
-                      parallel.batch_sharding(mesh, leading_micro_axis=True), dropout_seed=dropout_seed)
-  return jax.jit(step_fn, in_shardings=(t.state_shardings, parallel.batch_sharding(mesh), t.frozen_shardings),
-                 out_shardings=(t.state_shardings, parallel.replicated(mesh)), donate_argnums=0)
 
 
 def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
@@ -216,15 +243,8 @@ def run(cfg: RunConfig, task: Task) -> dict:
   """Trains `cfg.train.steps` steps of `task` (resuming if a checkpoint exists); returns the final metrics."""
   optimizer, lr_schedule = optim_lib.make(cfg.optim, cfg.train.steps)
   s = setup(cfg, optimizer, task)
-  mesh = s.mesh
-  encode_fn = functools.partial(task.encode, tok=s.tok, max_length=cfg.data.max_length,
-                                truncation=cfg.data.truncation)
   task.start(s)
-  train_it, counters, source = data_iterator(cfg, cfg.data.train, encode_fn, train=True, task=task)
-
-  batch_sharding = parallel.batch_sharding(mesh)
-  jitted = jit_step(task.make_loss_fn(s.graphdef), optimizer, lr_schedule, cfg.train.micro_batches, mesh,
-                    s.trainable(), dropout_seed=dropout_seed(cfg))
+  iterator = task.build(s, optimizer, lr_schedule)
 
   ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                       async_save=cfg.checkpoint.async_save)
@@ -234,91 +254,92 @@ def run(cfg: RunConfig, task: Task) -> dict:
   if latest is not None:
     extra = task.extra_state()
     if extra is None:
-      state = ckpt.restore(latest, abstract_like(state), train_it)
+      state = ckpt.restore(latest, abstract_like(state), iterator)
     else:
-      state, extra = ckpt.restore(latest, abstract_like(state), train_it, abstract_extra=abstract_like(extra))
+      state, extra = ckpt.restore(latest, abstract_like(state), iterator, abstract_extra=abstract_like(extra))
       task.load_extra_state(extra)
     start = latest
   config_dict = as_dict(cfg)
   writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, config_dict)
+  task.log = writer
   if latest is not None:
     writer.print(f"resumed from {ckpt.directory}/{latest}")
 
-  loss_eval = _make_eval_loss(cfg, s, task, encode_fn, batch_sharding) if cfg.data.eval else None
   fpt = flops_per_token(s.model_cfg, cfg.train.seq_len)
   peak = peak_flops(cfg.log.peak_flops)
   final: dict[str, float] = {}
-  pending = None  # (step, metrics on device, tokens) of the previous step
   last_time = time.perf_counter()
 
-  def evaluate_now(step: int, params) -> dict:
-    out = {}
-    if loss_eval is not None:
-      out.update(loss_eval(params))
+  def evaluate_now(step: int, params, last: bool = False) -> dict:
+    out = task.eval_loss(params) if task.eval_loss is not None else {}
     out.update(task.evaluate(s, params))
     if out:
       writer.write(step, out)
-      writer.print(f"step {step}: " + "  ".join(f"{k}={v:.4f}" for k, v in out.items()))
+      writer.print(task.eval_message(step, out, last))
     return out
 
   def save(step: int):
-    ckpt.save(step, state, train_it, config_dict, extra=task.extra_state())
+    ckpt.save(step, state, iterator, config_dict, extra=task.extra_state())
 
-  def flush(pending):
+  def flush(step: int, out: StepOut) -> dict:
     nonlocal last_time
-    step, dev_metrics, tokens, records = pending
-    m = to_floats(dev_metrics)
-    if m.get("train/nonfinite", 0.0) > 0:
+    m = to_floats(out.metrics)
+    if any(v > 0 for k, v in m.items() if k.endswith("/nonfinite")):
       if cfg.train.nonfinite == "stop":
         ckpt.wait()
-        names = [source.where(i) for i in records]
-        raise NonFiniteError(nonfinite_message(step, m, names, ckpt.directory, ckpt.latest_step()))
-      writer.print(f"step {step}: non-finite loss or gradient; update skipped "
-                   f"({int(m['train/skipped_nonfinite'])} so far)")
+        raise NonFiniteError(nonfinite_message(step, m, task.where(out.records), ckpt.directory,
+                                               ckpt.latest_step()))
+      skipped = sum(v for k, v in m.items() if k.endswith("/skipped_nonfinite"))
+      writer.print(f"step {step}: non-finite loss or gradient; update skipped ({int(skipped)} so far)")
     now = time.perf_counter()
     elapsed, last_time = now - last_time, now
-    m["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
-    m["perf/step_time_s"] = elapsed
-    if peak:
-      m["perf/mfu"] = m["perf/tokens_per_s"] * fpt / (peak * jax.device_count())
-    m["data/skipped_bad_records"] = counters.bad
-    m["data/skipped_too_long"] = counters.too_long
+    if out.tokens:
+      m["perf/tokens_per_s"] = out.tokens / max(elapsed, 1e-9)
+      m["perf/step_time_s"] = elapsed
+      if peak:
+        m["perf/mfu"] = m["perf/tokens_per_s"] * fpt / (peak * jax.device_count())
     if step % cfg.train.log_every == 0 or step == cfg.train.steps:
       writer.write(step, m)
     writer.advance()
     return m
 
-  with Preemption(cfg.checkpoint.preempt_grace_s, ckpt.newest_complete) as preempt, jax.set_mesh(mesh):
-    step = start
+  with Preemption(cfg.checkpoint.preempt_grace_s, ckpt.newest_complete) as preempt, jax.set_mesh(s.mesh):
+    task.begin(state, start)
+    pending = None  # (step, StepOut) whose device metrics are read back after the next step is dispatched
+    step, stopped = start, False
     while step < cfg.train.steps:
-      local = next(train_it)
-      records = pipeline.records_of(local)
-      tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
-      batch = task.prepare(s.full(state.params), task.global_batch(local, batch_sharding))
-      state, dev_metrics = jitted(state, batch, s.frozen)
+      state, out = task.train_step(state, step + 1)
       step += 1
-      task.after_step(step, s.full(state.params))
       if pending is not None:
-        final = flush(pending)
-      pending = (step, dev_metrics, tokens, records)
-      if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
+        final = flush(*pending)
+      pending = (step, out)
+      if not task.defer_metrics:
+        final, pending = flush(*pending), None
+      saved = bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+      if saved and step < cfg.train.steps:
         save(step)
       if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
         evaluate_now(step, s.full(state.params))
+      if task.stop_reason and step < cfg.train.steps:  # the objective's own alarm (e.g. grpo.max_kl)
+        if not saved:
+          save(step)
+        writer.print(f"stopping at step {step}: {task.stop_reason}; checkpoint saved")
+        stopped = True
+        break
       if preempt.should_stop(step) and step < cfg.train.steps:
-        flush(pending)
-        preempt.stop(step, lambda: save(step), ckpt, writer,
-                     saved_already=bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0))
+        if pending is not None:
+          final, pending = flush(*pending), None
+        preempt.stop(step, lambda: save(step), ckpt, writer, saved_already=saved)
     if pending is not None:
-      final = flush(pending)
-    if start < cfg.train.steps or latest is None:
+      final = flush(*pending)
+    if not stopped and (start < cfg.train.steps or latest is None):
       save(cfg.train.steps)
-    final.update(evaluate_now(cfg.train.steps, s.full(state.params)))
+    final.update(evaluate_now(cfg.train.steps, s.full(state.params), last=True))
     ckpt.close()
     if cfg.checkpoint.export_hf:  # every process gathers the weights; process 0 writes
-      out = os.path.join(cfg.run_dir, "hf")
-      task.export(nnx.merge(s.graphdef, s.full(state.params)), out, s.tok)
-      writer.print(f"exported HF checkpoint to {out}")
+      out_dir = os.path.join(cfg.run_dir, "hf")
+      task.export(nnx.merge(s.graphdef, s.full(state.params)), out_dir, s.tok)
+      writer.print(f"exported HF checkpoint to {out_dir}")
   writer.close()
   return final
 

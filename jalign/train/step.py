@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flax import nnx
+
+from jalign import models, parallel
 from jalign.models import lora
 
 
@@ -91,3 +94,41 @@ def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_sched
 def _split(out):
   loss_sum, weight, sums = out
   return loss_sum, (weight.astype(jnp.float32), sums)
+
+
+@dataclasses.dataclass
+class Trainable:
+  """A module split for training on a mesh: what `jit_step` and the checkpointer need."""
+  graphdef: Any
+  state: TrainState
+  state_shardings: Any
+  frozen: Any = None             # with LoRA adapters: the base weights, beside the trainable `state.params`
+  frozen_shardings: Any = None
+
+
+def trainable(module: nnx.Module, optimizer, mesh, rules) -> Trainable:
+  """The one train-state builder (policy, reward model and critic): parameters placed by the logical-axis `rules`
+  (parts built outside a loader, such as heads, land on the mesh too), the base weights set apart as frozen when the
+  module has LoRA adapters, the optimizer state initialised in its own shardings."""
+  graphdef, params = nnx.split(module)
+  params = nnx.to_pure_dict(params)
+  param_shardings = nnx.to_pure_dict(models.state_shardings(module, mesh, rules))
+  params = jax.device_put(params, param_shardings)
+  frozen = frozen_shardings = None
+  if lora.has_adapters(params):  # only the adapters (and a head) train; the base rides along, frozen
+    params, frozen = lora.partition(params)
+    param_shardings, frozen_shardings = lora.partition(param_shardings)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  opt_shardings = parallel.optimizer_shardings(optimizer, param_shardings, abstract, mesh)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+  rep = parallel.replicated(mesh)
+  return Trainable(graphdef, TrainState.begin(params, opt_state, rep),
+                   TrainState(rep, param_shardings, opt_shardings, rep), frozen, frozen_shardings)
+
+
+def jit_step(loss_fn, optimizer, schedule, micro_batches: int, mesh, t: Trainable, *, dropout_seed=None):
+  """The one jitted train step: (state, batch, frozen) -> (state, metrics), the state donated."""
+  step_fn = make_step(loss_fn, optimizer, schedule, micro_batches,
+                      parallel.batch_sharding(mesh, leading_micro_axis=True), dropout_seed=dropout_seed)
+  return jax.jit(step_fn, in_shardings=(t.state_shardings, parallel.batch_sharding(mesh), t.frozen_shardings),
+                 out_shardings=(t.state_shardings, parallel.replicated(mesh)), donate_argnums=0)
