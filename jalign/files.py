@@ -38,3 +38,14 @@ def write_json(path: str, obj, **dump_kwargs) -> None:
   with atomic_open(path) as f:
     json.dump(obj, f, **dump_kwargs)
     f.write("\n")
+
+
+def output_path(run_dir: str, path: str) -> str:
+  """An output path resolved against the run directory (links included)."""
+  return os.path.realpath(os.path.join(run_dir, path))
+
+
+def inside(run_dir: str, path: str) -> bool:
+  """`path` (relative to `run_dir`) resolves inside `run_dir`."""
+  root = os.path.realpath(run_dir)
+  return os.path.commonpath([root, output_path(run_dir, path)]) == root

@@ -15,7 +15,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jalign import files
-from jalign.config import RunConfig, to_dataclass, validate
+from jalign.config import RunConfig, validate
+from jalign.sections import to_dataclass
 from jalign.errors import ConfigError, UserError
 from jalign.parallel import distributed
 from jalign.parallel.distributed import DistributedSection

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from jalign.config import ConfigError, validate
+from jalign.config import validate
+from jalign.errors import ConfigError
 from tests.configs_util import ROOT, config_dict, run_config
 
 
@@ -63,7 +64,8 @@ def test_defaults_hold_every_key_with_its_default():
   numbers as typed placeholders a command line can set."""
   import dataclasses
 
-  from jalign.config import RunConfig, defaults, to_dataclass
+  from jalign.config import RunConfig, defaults
+  from jalign.sections import to_dataclass
   d = defaults()
   assert to_dataclass(RunConfig, d) == RunConfig()
 
@@ -86,3 +88,49 @@ def test_defaults_hold_every_key_with_its_default():
   with pytest.raises(AttributeError, match="Did you mean"):
     d.lock()
     d.grpo.clip_cc = 3.0
+
+
+def _bounded_fields(cls, prefix: str = "config"):
+  """(dotted key, bounds) of every field of `cls` and its sub-sections that declares bounds."""
+  import dataclasses
+  import typing
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    if "bounds" in f.metadata:
+      yield f"{prefix}.{f.name}", f.metadata["bounds"]
+    elif dataclasses.is_dataclass(hints[f.name]):
+      yield from _bounded_fields(hints[f.name], f"{prefix}.{f.name}")
+
+
+def _violation(bounds):
+  gt, ge, lt, le, _ = bounds
+  if gt is not None:
+    return gt
+  if ge is not None:
+    return ge - 1
+  if lt is not None:
+    return lt
+  return le + 1 if le is not None else None  # finiteness only
+
+
+def test_every_declared_bound_is_enforced_with_its_key():
+  """Each field that declares bounds (`jalign.sections.bounded`) rejects a value just outside them, and NaN where it
+  is a number, with an error that names its dotted key."""
+  import math
+  from jalign.config import RunConfig
+  fields = list(_bounded_fields(RunConfig))
+  assert len(fields) >= 40, len(fields)
+  for key, bounds in fields:
+    for bad in (_violation(bounds), math.nan):
+      if bad is None:
+        continue
+      values = config_dict("sft", "tiny")
+      node = values
+      *parents, leaf = key.split(".")[1:]
+      for p in parents:
+        node = node[p]
+      if bad is math.nan and isinstance(node[leaf], int) and not isinstance(node[leaf], bool):
+        continue
+      node[leaf] = type(node[leaf])(bad) if node[leaf] is not None else bad
+      with pytest.raises(ConfigError, match=rf"^{key}=\S+: must be "):
+        validate(values, 8)

@@ -9,6 +9,7 @@ PACKAGE = os.path.dirname(jalign.__file__)
 # Lowest first. A module may import modules of its own layer's package and of lower layers.
 LAYERS = [
     ("errors", "files"),
+    ("sections",),
     ("kernels", "spm"),
     ("models", "gguf_tokenizer"),
     ("tokenizer",),
@@ -18,8 +19,8 @@ LAYERS = [
     ("sampling",),
     ("data",),
     ("rl",),
-    ("config",),
     ("eval",),
+    ("config",),
     ("train",),
     ("run",),
 ]

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+from typing import Literal
 
 import grain
 import numpy as np
 
-from jalign.data.sources import DataError
+from jalign.data.layouts import Fields
 from jalign.data.sft import TooLong
+from jalign.data.sources import DataError
+from jalign.errors import ConfigError
+from jalign.sections import bounded
 
 
 @dataclasses.dataclass
@@ -144,3 +148,49 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
     buckets = tuple(sorted(spec.buckets)) or (spec.seq_len,)
     it = it.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=bucket_batch(buckets))
   return it, counters
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  train: str = ""                         # file / glob / list, tfds:NAME:SPLIT@DIR, or synthetic:TASK:SPLIT
+  eval: str = ""
+  max_length: int = bounded(512, gt=0)    # tokens per example after truncation
+  truncation: Literal["keep_start", "keep_end", "drop"] = "keep_start"
+  packing: bool = True
+  buckets: tuple[int, ...] = ()           # unpacked padding lengths; () = train.seq_len
+  shuffle: bool = True
+  skip_bad_records: bool = False
+  read_threads: int = bounded(0, ge=0)    # grain reading threads (raise for remote storage); 0 = on demand
+  num_packing_bins: int = bounded(0, ge=0)  # 0 = rows per process batch
+  pair_checks: Literal["warn", "error", "off"] = "warn"  # preference data: identical pairs, repeated prompts,
+                                          # chosen/rejected length imbalance, checked before training
+  max_length_ratio: float = bounded(1.5, ge=1)  # chosen/rejected mean-length ratio beyond which pair_checks reports it
+  pairs_per_prompt: int = bounded(1, ge=1)  # pairs one prompt may have before pair_checks reports repeated prompts
+  check_records: int = bounded(0, ge=0)   # records read by the pair checks; 0 = all
+  # how a dataset's records map onto TRL's layouts (jalign.data.layouts): "auto" recognises GSM8K, MATH, HH-RLHF,
+  # UltraFeedback, ShareGPT and LLaMA-Factory KTO records; "none" reads records as they are
+  layout: Literal["auto", "none", "gsm8k", "math", "hh_rlhf", "ultrafeedback", "sharegpt", "kto_messages"] = "auto"
+  prompt_key: str = ""                    # field holding the prompt (verl's data.prompt_key); "" = by layout
+  answer_key: str = ""                    # field holding the ground truth, dotted for nested fields (verl's
+                                          # "reward_model.ground_truth"); "" = by layout
+  prompt_suffix: str = ""                 # appended to every prompt's last user turn (an answer-format instruction)
+
+  def fields(self) -> Fields:
+    return Fields(self.layout, self.prompt_key, self.answer_key, self.prompt_suffix)
+
+  def check(self, task: str, seq_len: int) -> None:
+    """What each task needs of its data (`seq_len`: the train section's row length)."""
+    if task in ("sft", "rm", "dpo") and not self.train:
+      raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
+    if self.buckets and max(self.buckets) > seq_len:
+      raise ConfigError(f"config.data.buckets={self.buckets}: largest bucket exceeds train.seq_len={seq_len}")
+    if task == "sft" and self.packing and self.max_length > seq_len:
+      raise ConfigError(f"config.data.max_length={self.max_length} exceeds config.train.seq_len={seq_len}: a packed "
+                        "example must fit one row")
+    if task in ("rm", "dpo"):
+      if self.packing:
+        raise ConfigError(f"config.data.packing=True: {task} batches whole preference pairs padded to a bucket, "
+                          "not packed; set data.packing=False")
+      if self.max_length > seq_len:
+        raise ConfigError(f"config.data.max_length={self.max_length} exceeds config.train.seq_len={seq_len}: a "
+                          "pair's sequences must fit one row")

@@ -8,8 +8,10 @@ held-out SFT data, and a reward model's pairwise accuracy and rank correlation o
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,6 @@ import numpy as np
 from flax import nnx
 
 from jalign import models, tokenizer as tokenizer_lib
-from jalign.config import EvalSection
 from jalign.data import preference, sft as sft_data
 from jalign.data.layouts import Fields
 from jalign.data.sources import DataError, open_source
@@ -27,7 +28,43 @@ from jalign.models.sharding import to_host
 from jalign.objectives import grpo as grpo_objective, sft as sft_objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.data.prompts import Prompt, encode_prompt
-from jalign.rl.rollout import Samples, SamplingSpec, concat, model_rows, sample
+from jalign.sections import bounded
+from jalign.rl.rollout import Samples, SamplingSection, concat, model_rows, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  """Held-out evaluation of a checkpoint (jalign.eval.policy)."""
+  prompts: str = "synthetic:arith:test"   # held-out prompts with ground truth (any prompt source jalign reads)
+  examples: int = bounded(256, gt=0)      # prompts evaluated (the first ones)
+  metric: str = "gsm8k"                   # the verifier: a verifiable reward of jalign.rl.rewards
+  max_new_tokens: int = bounded(16, gt=0)
+  num_samples: int = bounded(0, ge=0)     # n samples per prompt for pass@k; 0 = greedy only
+  pass_k: tuple[int, ...] = (1,)          # k values for pass@k (each <= num_samples)
+  temperature: float = 1.0                # of the samples (pass@k and the KL estimate)
+  reference: str = ""                     # HF dir of a reference policy: win rate and KL against it
+  reward_model: str = ""                  # HF *ForSequenceClassification or ensemble dir: mean score (and judge)
+  judge: Literal["auto", "reward_model", "verifier"] = "auto"  # win rate judge; auto = the reward model if any
+  sft_data: str = ""                      # held-out SFT data: perplexity
+  pairs: str = ""                         # held-out preference pairs: the reward model's pairwise accuracy, Spearman
+  batch_size: int = bounded(128, gt=0)
+  seed: int = 0
+
+  def check(self, model_path: str) -> None:
+    if not model_path:
+      raise ConfigError("config.model.path: empty; task 'eval' evaluates an HF checkpoint directory")
+    if self.num_samples and any(k < 1 or k > self.num_samples for k in self.pass_k):
+      raise ConfigError(f"config.eval.pass_k={self.pass_k}: each k must be in [1, eval.num_samples="
+                        f"{self.num_samples}]")
+    if (self.num_samples or self.reference) and self.temperature <= 0:
+      raise ConfigError(f"config.eval.temperature={self.temperature}: samples (pass@k, the KL estimate) need a "
+                        "temperature > 0")
+    if self.judge == "reward_model" and not self.reward_model:
+      raise ConfigError("config.eval.judge='reward_model' needs config.eval.reward_model")
+    if self.metric not in NEEDS_GROUND_TRUTH:
+      raise ConfigError(f"config.eval.metric={self.metric!r}; accepted verifiers: "
+                        f"{', '.join(sorted(NEEDS_GROUND_TRUTH))}")
+
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -52,7 +89,7 @@ def win_rate(policy_scores, reference_scores, *, tie_tolerance: float = 0.0) -> 
 def generate(lm, tok, prompts: list[Prompt], *, max_new_tokens: int, temperature: float, n: int = 1, seed: int = 0,
              batch_size: int = 128) -> Samples:
   """`n` completions of each prompt, sampled `batch_size` prompts at a time."""
-  spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=temperature, num_samples=n)
+  spec = SamplingSection(max_new_tokens=max_new_tokens, temperature=temperature, num_samples=n)
   return concat([sample(lm, tok, prompts[start:start + batch_size], jax.random.fold_in(jax.random.key(seed), start),
                         spec) for start in range(0, len(prompts), batch_size)])
 

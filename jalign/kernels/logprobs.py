@@ -15,6 +15,7 @@ them (a max and sums), so no device ever holds the whole vocabulary's weights or
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jalign.kernels.chunked import chunk_columns, token_logprobs_chunked
 from jalign.kernels.pallas import TPU_SCOPED_VMEM, token_logprobs_pallas, tpu_vmem_bytes
 from jalign.kernels.target import row_axes, target_platform
+from jalign.sections import bounded
 
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "auto")
 AUTO_XLA_VOCAB = 4096            # `auto` keeps the plain logits up to this vocabulary
@@ -32,11 +34,13 @@ _PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 @dataclasses.dataclass(frozen=True)
 class LogprobOptions:
-  """How objectives compute log-probs (the `logprobs` config section): keyword arguments of `token_logprobs`."""
-  impl: str = "auto"
-  chunk: int = 0                           # vocabulary columns per chunk (`chunked`); 0 = `chunk_columns`
-  blocks: tuple[int, ...] = ()             # Pallas tile (tokens, vocab, model-dim slice or 0); () = the defaults
-  interpret: bool = False                  # run a Pallas kernel in interpret mode (any backend; slow)
+  """How objectives compute log-probs (the run config's `logprobs` section): keyword arguments of
+  `token_logprobs`."""
+  impl: Literal[IMPLS] = "auto"            # auto: xla up to 4096 columns, then pallas_tpu for TPU targets,
+                                           # chunked elsewhere
+  chunk: int = bounded(0, ge=0)            # vocabulary columns per chunk (`chunked`); 0 = from a 64 MiB budget
+  blocks: tuple[int, ...] = ()             # Pallas tile (tokens, vocab, model-dim slice or 0); () = per-chip defaults
+  interpret: bool = False                  # run a Pallas kernel in interpret mode (any backend; slow; for checking)
 
   def kwargs(self) -> dict:
     return dataclasses.asdict(self)

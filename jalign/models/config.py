@@ -10,11 +10,13 @@ import json
 import math
 import os
 from typing import Any
+from typing import Literal
 
 import numpy as np
 
 from jalign.errors import CheckpointError, ConfigError
 from jalign.kernels.attn import IMPLS as ATTENTION_IMPLS
+from jalign.models.lora import LoraConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -305,3 +307,21 @@ def load_hf_config(path: str) -> tuple[ModelConfig, dict]:
   if not isinstance(raw, dict):
     raise ConfigError(f"{file}: expected a JSON object, found {type(raw).__name__}")
   return from_hf_config(raw, where=file), raw
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  path: str = ""                       # HF checkpoint directory; "" = initialise `arch` from scratch
+  arch: ModelConfig | None = None      # architecture for a from-scratch model
+  dtype: Literal["float32", "bfloat16"] = "float32"           # parameters
+  compute_dtype: Literal["", "float32", "bfloat16"] = ""       # activations; "" = dtype
+  scan_layers: bool = True
+  remat: Literal["none", "full", "dots"] = "none"
+  attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
+  lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning
+  offload_reference: bool = False      # DPO / GRPO / PPO: keep the frozen reference in host memory, copied to the
+                                       # device only for its forward passes
+
+  def knobs(self) -> dict:
+    """The runtime fields of `ModelConfig` this section sets on a loaded or created model."""
+    return dict(scan_layers=self.scan_layers, remat=self.remat, attention=self.attention)

@@ -7,14 +7,17 @@ over the batch's chosen tokens, weighted by alpha.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jalign import kernels
+from jalign.errors import ConfigError
 from jalign.losses import dpo as dpo_losses
 from jalign.objectives.sft import targets_and_weights
+from jalign.sections import bounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +120,48 @@ def make_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobOptio
                  "logps/rejected": jnp.sum(jax.lax.stop_gradient(r))})
     return loss_sum, jnp.asarray(pairs, jnp.float32), sums
   return loss_fn
+
+
+DPO_LOSS_TYPES = dpo_losses.PAIRED + dpo_losses.REFERENCE_FREE + ("kto",)
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoSection:
+  loss_type: Literal[DPO_LOSS_TYPES] = "sigmoid"  # simpo / cpo / orpo need no reference model
+  beta: float = bounded(0.1, gt=0)        # (orpo: lambda; simpo: its beta, ~2)
+  label_smoothing: float = bounded(0.0, ge=0, lt=0.5)  # sigmoid: conservative DPO; robust / exo_pair: the noise level
+  simpo_gamma: float = 0.5                # SimPO target reward margin
+  cpo_alpha: float = 1.0                  # CPO: weight of the chosen NLL
+  discopop_tau: float = 0.05
+  rpo_alpha: float = bounded(0.0, ge=0)   # RPO (Pang et al. 2024): + alpha x token-mean NLL of the chosen; 0 = off
+  desirable_weight: float = bounded(1.0, gt=0)  # KTO (unpaired prompt/completion/label data, or pairs split in two)
+  undesirable_weight: float = bounded(1.0, gt=0)
+  precompute_ref_logps: bool = False      # one reference pass over the data before training, then no reference forward
+  share_prompt: bool = True               # each pair's prompt runs once, under both completions (prefix sharing)
+  sync_ref_model: bool = False            # TR-DPO (Gorbatovski et al. 2024): ref = a * policy + (1 - a) * ref ...
+  ref_model_mixup_alpha: float = 0.6
+  ref_model_sync_steps: int = 512         # ... every this many steps
+  eval_prompts: str = ""                  # held-out prompts for greedy task accuracy (needs a ground truth); "" = none
+  eval_examples: int = bounded(500, ge=0)
+  eval_max_new_tokens: int = 16
+
+  def check(self) -> None:
+    p = self
+    if p.loss_type == "exo_pair" and not 0 < p.label_smoothing < 1:
+      raise ConfigError("config.dpo.label_smoothing: loss_type 'exo_pair' needs 0 < label_smoothing < 1 (e.g. 1e-3)")
+    if p.loss_type == "kto":
+      if p.precompute_ref_logps:
+        raise ConfigError("config.dpo.precompute_ref_logps=True: KTO's KL sequences pair each prompt with another "
+                          "example's completion of the same batch, so their reference log-probs depend on batching; "
+                          "set precompute_ref_logps=False")
+      if p.rpo_alpha:
+        raise ConfigError("config.dpo.rpo_alpha applies to paired losses, not loss_type='kto'")
+    if p.sync_ref_model:
+      if p.precompute_ref_logps:
+        raise ConfigError("config.dpo.sync_ref_model=True with precompute_ref_logps=True: precomputed reference "
+                          "log-probs go stale when the reference is synced; set one of them to False")
+      if not 0 < p.ref_model_mixup_alpha <= 1 or p.ref_model_sync_steps <= 0:
+        raise ConfigError("config.dpo: sync_ref_model needs 0 < ref_model_mixup_alpha <= 1 and "
+                          "ref_model_sync_steps > 0")
+      if p.loss_type in dpo_losses.REFERENCE_FREE:
+        raise ConfigError(f"config.dpo.sync_ref_model=True: loss_type {p.loss_type!r} uses no reference model")

@@ -15,15 +15,17 @@ import json
 import math
 import os
 import shutil
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jalign.errors import CheckpointError
+from jalign.errors import CheckpointError, ConfigError
 from jalign.models.decoder import Decoder
 from jalign.models.heads import ScalarHead
 from jalign.models.hf import load_sequence_classifier
+from jalign.sections import bounded
 
 
 def last_token_index(mask_BxT: jax.Array) -> jax.Array:
@@ -147,3 +149,39 @@ def make_loss_fn(graphdef, cfg: RewardLossConfig):
             "rewards/chosen": jnp.sum(chosen), "rewards/rejected": jnp.sum(rejected)}
     return jnp.sum(losses), n, sums
   return loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardMember:
+  """A further reward model of an ensemble: trained like the run's own model (same backbone, head and optimizer) on
+  its own pairs, for its own steps; the ensemble's score adds `weight` x its score to the run's model's."""
+  train: str = ""  # its training pairs (the forms of data.train)
+  steps: int = 0
+  weight: float = bounded(1.0, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+  head: Literal["linear", "mlp"] = "linear"  # scalar head on the last real token's hidden state
+  head_bias: bool = False                 # HF *ForSequenceClassification has none; export needs linear, no bias
+  mlp_size: int = bounded(0, ge=0)        # mlp head width; 0 = hidden size
+  center_rewards_coefficient: float = bounded(0.0, ge=0)  # TRL: + coef * (r_c + r_r)^2 (Eisenstein et al. 2023); 0 =
+                                          # off
+  share_prompt: bool = True               # each pair's prompt runs once, under both completions (prefix sharing)
+  members: tuple[RewardMember, ...] = ()  # () = one reward model; else an ensemble: the run's model + these, scores
+                                          # summed (jalign/train/reward.py)
+
+  def check(self, *, export_hf: bool, warmup_steps: int) -> None:
+    if export_hf and (self.head != "linear" or self.head_bias):
+      raise ConfigError(f"config.rm.head={self.head!r}, head_bias={self.head_bias}: an HF sequence-classification "
+                        "checkpoint holds one linear score without bias; use rm.head='linear', rm.head_bias=False or "
+                        "set checkpoint.export_hf=False")
+    for i, m in enumerate(self.members):
+      key = f"config.rm.members[{i}]"
+      if not m.train:
+        raise ConfigError(f"{key}.train is empty: each member needs its training pairs (a file, glob or tfds spec)")
+      if m.steps <= 0 or warmup_steps > m.steps:
+        raise ConfigError(f"{key}.steps={m.steps}: must be positive and >= optim.warmup_steps={warmup_steps}")
+    if self.members and not export_hf:
+      raise ConfigError("config.rm.members: the ensemble is assembled from each member's exported checkpoint; set "
+                        "checkpoint.export_hf=True")

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jalign.models.sharding import make_mesh
+from jalign.models.sharding import DEFAULT_RULES, make_mesh
 
 
 def mesh_from_config(shape: tuple[int, int, int], devices=None) -> Mesh:
@@ -47,3 +49,10 @@ def fetching(fn, host_tree):
   copied to device memory for the computation, and the copy is freed afterwards; nothing of it stays resident."""
   device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), host_tree)
   return lambda tree, *args: fn(jax.device_put(tree, device), *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+  shape: tuple[int, int, int] = (1, -1, 1)   # ('data', 'fsdp', 'tensor'); -1 = the remaining devices; without
+                                             # -1, a mesh smaller than the machine uses the first devices
+  rules: tuple = DEFAULT_RULES               # logical axis -> mesh axis / tuple of axes / None

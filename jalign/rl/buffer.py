@@ -5,12 +5,15 @@ parts; `completed_parts` tells a restarted run which batches are already done.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+from typing import Literal
 
 from jalign import files
 from jalign.errors import ConfigError, DataError
+from jalign.sections import bounded
 
 FORMATS = ("parquet", "arrayrecord")
 _PART = re.compile(r"part-(\d{6})\.(parquet|arrayrecord)$")
@@ -77,3 +80,20 @@ def read_all(directory: str) -> list[dict]:
       out.extend(json.loads(r) for r in reader.read_all())
       reader.close()
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+  prompts: str = ""                # prompt source (same specs as data.train)
+  output: str = ""                 # buffer directory inside run_dir (relative to it); "" = run_dir/buffer
+  format: Literal["parquet", "arrayrecord"] = "parquet"
+  prompts_per_batch: int = bounded(16, gt=0)
+  limit: int = bounded(0, ge=0)    # first N prompts only; 0 = all
+  min_reward: float | None = None  # drop trajectories scoring below this
+
+  def check(self, task: str, run_dir: str) -> None:
+    if task == "rollout" and not self.prompts:
+      raise ConfigError("config.rollout.prompts: empty; give a prompt file/glob, tfds:... or synthetic:TASK:SPLIT")
+    if self.output and not files.inside(run_dir, self.output):
+      raise ConfigError(f"config.rollout.output={self.output!r} resolves outside run_dir={run_dir!r}: a run writes "
+                        "only inside its run directory; give a path relative to it (or run_dir itself)")

@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jalign.data.answers import NUMBER, answers_match, extract_boxed, extract_gsm8k, extract_last_number
-from jalign.errors import UserError
+from jalign.errors import ConfigError, UserError
+from jalign.sections import bounded
 
 
 class RewardError(UserError):
@@ -133,3 +134,47 @@ class RewardSpec:
       terms["length"] = length_penalty(batch.lengths, target=self.length_target)
       total = total + self.length_weight * terms["length"]
     return np.asarray(total, np.float32), terms
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+  """The reward of RL runs (the run config's `reward` section): verifiable rewards and / or a reward model."""
+  weights: tuple = (("gsm8k", 1.0),)      # (name, weight) pairs from REGISTRY
+  model: str = ""                         # a reward model: an HF *ForSequenceClassification dir, or an ensemble dir
+                                          # (configs/rm.py's run_dir/ensemble)
+  model_weight: float = bounded(1.0)      # its score's weight in the reward
+  overlong_max_length: int = bounded(0, ge=0)  # DAPO overlong penalty; 0 = off
+  overlong_buffer: int = bounded(0, ge=0)
+  length_target: int = bounded(0, ge=0)   # linear length penalty; 0 = off
+  length_weight: float = bounded(0.0)
+
+  def spec(self) -> RewardSpec:
+    return RewardSpec(weights=tuple((str(n), float(x)) for n, x in self.weights),
+                      overlong_max_length=self.overlong_max_length, overlong_buffer=self.overlong_buffer,
+                      length_target=self.length_target, length_weight=self.length_weight)
+
+  def check(self) -> None:
+    """A reward is configured, its names exist, and a reward model is one (or an ensemble of them)."""
+    if not self.weights and not self.model:
+      raise ConfigError("config.reward: no reward configured; set reward.weights (verifiable rewards) and/or "
+                        "reward.model (a reward model checkpoint)")
+    if self.model:
+      from jalign.models.hf import architectures
+      from jalign.objectives.reward import ensemble_members, is_ensemble
+      try:  # one checkpoint, or each member of an ensemble directory
+        paths = [p for p, _ in ensemble_members(self.model)] if is_ensemble(self.model) else [self.model]
+      except ValueError as e:
+        raise ConfigError(f"config.reward.model={self.model!r}: {e}") from None
+      for path in paths:
+        try:
+          archs = architectures(path)
+        except (OSError, ValueError) as e:
+          raise ConfigError(f"config.reward.model={path!r}: cannot read its config.json ({e})") from None
+        if not any(a.endswith("ForSequenceClassification") for a in archs):
+          raise ConfigError(f"config.reward.model={path!r}: architectures {archs} is not a "
+                            "*ForSequenceClassification reward model (nor a reward-model ensemble directory with "
+                            "reward_ensemble.json)")
+    try:
+      self.spec()
+    except RewardError as e:
+      raise ConfigError(f"config.reward: {e}") from None

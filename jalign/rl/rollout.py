@@ -4,24 +4,33 @@ GRPO/PPO, the rollout task that writes a replay buffer (`rollout_batch`) and hel
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import numpy as np
 
 from jalign import sampling
 from jalign.data.prompts import Prompt, left_pad
-from jalign.models.sharding import to_host
+from jalign.models.sharding import to_host, without_fsdp
 from jalign.rl.rewards import Batch, RewardSpec
+from jalign.sections import bounded
 from jalign.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingSpec:
-  max_new_tokens: int = 32
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  min_p: float = 0.0
-  num_samples: int = 4
+class SamplingSection:
+  """How completions are sampled (the run config's `sampling` section)."""
+  max_new_tokens: int = bounded(32, gt=0)
+  temperature: float = bounded(1.0, ge=0)  # 0 = greedy
+  top_k: int = bounded(0, ge=0)           # 0 = off
+  top_p: float = bounded(1.0, gt=0, le=1)
+  min_p: float = bounded(0.0, ge=0, lt=1)
+  num_samples: int = bounded(4, gt=0)     # completions per prompt (a GRPO group)
+  max_prompt_length: int = bounded(64, gt=0)
+  layout: Literal["training", "no_fsdp"] = "training"  # weight layout while generating (see models.without_fsdp)
+
+  def rules(self, training_rules):
+    """Logical-axis rules for generation: None keeps the training layout."""
+    return without_fsdp(training_rules) if self.layout == "no_fsdp" else None
 
 
 @dataclasses.dataclass
@@ -47,7 +56,7 @@ class Samples:
     return np.repeat(ids, self.n, 0), np.repeat(mask, self.n, 0)
 
 
-def sample(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, *, mesh=None,
+def sample(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSection, *, mesh=None,
            rules=None) -> Samples:
   """`spec.num_samples` completions of each prompt, decoded. `mesh`/`rules`: the sampling layout."""
   ids, mask = left_pad(prompts, tok.pad_id)
@@ -92,7 +101,7 @@ def model_rows(prompt_ids: np.ndarray, prompt_mask: np.ndarray, response: np.nda
           "response": response.astype(np.int32), "response_mask": response_mask}
 
 
-def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSpec, rewards: RewardSpec,
+def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSection, rewards: RewardSpec,
                   policy_id: str, *, mesh=None, rules=None, model_reward=None) -> tuple[list[dict], dict[str, float]]:
   """Replay-buffer records (one per completion, groups consecutive) and batch statistics."""
   s = sample(lm, tok, prompts, rng, spec, mesh=mesh, rules=rules)

@@ -21,7 +21,8 @@ from jalign import files
 from jalign import parallel
 from jalign.parallel import distributed
 from jalign.parallel.distributed import say
-from jalign.config import REFERENCE_FREE, RunConfig, reward_spec
+from jalign.config import RunConfig
+from jalign.losses.dpo import REFERENCE_FREE
 from jalign.data import preference
 from jalign.data.sources import DataError, JsonlSource, open_source
 from jalign.eval.policy import accuracy
@@ -82,14 +83,14 @@ class DpoTask(PreferenceTask):
       say(f"KTO data {spec}: {good} desirable and {bad} undesirable examples")
 
   def make_loss_fn(self, graphdef):
-    return objective.make_loss_fn(graphdef, self.loss_cfg, logprobs=self.cfg.logprobs.options())
+    return objective.make_loss_fn(graphdef, self.loss_cfg, logprobs=self.cfg.logprobs)
 
   # Reference ---------------------------------------------------------------------------------------------------
   def start(self, setup: loop.Setup) -> None:
     cfg, p = self.cfg, self.cfg.dpo
     self.graphdef, self.mesh = setup.graphdef, setup.mesh
     sharding = parallel.batch_sharding(setup.mesh)
-    logps = functools.partial(objective.sequence_logps, setup.graphdef, logprobs=cfg.logprobs.options())
+    logps = functools.partial(objective.sequence_logps, setup.graphdef, logprobs=cfg.logprobs)
     ref_fn = lambda params, batch: tuple(logps(params, batch)[0].T)  # noqa: E731
     alpha = p.ref_model_mixup_alpha
     self._mix = jax.jit(lambda policy, ref: jax.tree.map(lambda a, b: (alpha * a + (1 - alpha) * b).astype(b.dtype),
@@ -164,7 +165,7 @@ class DpoTask(PreferenceTask):
   # Task accuracy -----------------------------------------------------------------------------------------------
   def _load_eval_prompts(self, setup: loop.Setup) -> list:
     p = self.cfg.dpo
-    self._metric = next((n for n, _ in reward_spec(self.cfg).weights if n in NEEDS_GROUND_TRUTH), None)
+    self._metric = next((n for n, _ in self.cfg.reward.spec().weights if n in NEEDS_GROUND_TRUTH), None)
     if not p.eval_prompts or not self._metric:
       return []
     source = open_source(p.eval_prompts, self.cfg.data.fields())

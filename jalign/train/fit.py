@@ -153,7 +153,7 @@ def _loss_and_batch(cfg, graphdef, mesh):
   b, t, task = cfg.train.batch_size, cfg.train.seq_len, cfg.task
   if task == "sft":
     from jalign.objectives import sft
-    return (sft.make_loss_fn(graphdef, logprobs=cfg.logprobs.options()),
+    return (sft.make_loss_fn(graphdef, logprobs=cfg.logprobs),
             {"tokens": i32(b, t), "segment_ids": i32(b, t), "positions": i32(b, t), "loss_mask": i32(b, t)})
   if task in ("dpo", "rm"):
     pair = {"tokens": i32(b, 2, t), "segment_ids": i32(b, 2, t), "positions": i32(b, 2, t),
@@ -168,7 +168,7 @@ def _loss_and_batch(cfg, graphdef, mesh):
                        "shapes)")
     p = cfg.dpo
     loss_cfg = dpo.DpoLossConfig(loss_type=p.loss_type, beta=p.beta, rpo_alpha=p.rpo_alpha)
-    return (dpo.make_loss_fn(graphdef, loss_cfg, logprobs=cfg.logprobs.options()),
+    return (dpo.make_loss_fn(graphdef, loss_cfg, logprobs=cfg.logprobs),
             {**pair, "ref_chosen_logps": f32(b), "ref_rejected_logps": f32(b)})
   if task in ("grpo", "ppo"):
     from jalign.objectives import grpo
@@ -177,7 +177,7 @@ def _loss_and_batch(cfg, graphdef, mesh):
     length = s.max_prompt_length + r
     loss_cfg = grpo.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, mode=g.loss_mode, agg=g.agg,
                                    kl_coef=g.kl_coef, kl_kind=g.kl_kind, global_rows=n)
-    return (grpo.make_loss_fn(graphdef, loss_cfg, cfg.logprobs.options()),
+    return (grpo.make_loss_fn(graphdef, loss_cfg, cfg.logprobs),
             {"tokens": i32(n, length), "segment_ids": i32(n, length), "positions": i32(n, length),
              "response": i32(n, r), "response_mask": i32(n, r), "advantages": f32(n, r), "old_logp": f32(n, r),
              "ref_logp": f32(n, r)})

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jalign import parallel
 from jalign.models.sharding import to_host
-from jalign.config import RunConfig, reward_spec, sampling_rules
+from jalign.config import RunConfig
 from jalign.data.sources import open_source
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
@@ -48,13 +48,13 @@ class GrpoTask(loop.Task):
     cfg, g, s = self.cfg, self.cfg.grpo, self.cfg.sampling
     self.setup = setup
     mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
-    self.rewards = reward_spec(cfg)
+    self.rewards = cfg.reward.spec()
     self.model_reward = None
     if cfg.reward.model:
       from jalign.rl.model_reward import ModelReward
       self.model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
-    self.spec = rollout.SamplingSpec(s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.min_p, s.num_samples)
-    self.gen_rules = sampling_rules(cfg)
+    self.spec = s
+    self.gen_rules = s.rules(cfg.mesh.rules)
     self.metric = next((n for n, _ in self.rewards.weights if n in NEEDS_GROUND_TRUTH), None)
     max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
     self.encode_prompt = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
@@ -86,7 +86,7 @@ class GrpoTask(loop.Task):
     self.lr_scale = 1.0
     self.updates = {}  # mini-batch rows -> jitted update at the current lr_scale
     logprobs_fn = lambda params, batch: objective.response_logprobs(  # noqa: E731
-        graphdef, params, batch, s.temperature, cfg.logprobs.options(), self.group_size)[0]
+        graphdef, params, batch, s.temperature, cfg.logprobs, self.group_size)[0]
     self.logprobs = jax.jit(logprobs_fn)
     self.reference = setup.reference()
     self.ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, self.reference)) if cfg.model.offload_reference \
@@ -113,7 +113,7 @@ class GrpoTask(loop.Task):
     if mini_batch_rows not in self.updates:
       cfg, s = self.cfg, self.setup
       loss_fn = objective.make_loss_fn(s.graphdef, dataclasses.replace(self.loss_cfg, global_rows=mini_batch_rows),
-                                       cfg.logprobs.options())
+                                       cfg.logprobs)
       opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * self.lr_scale),
                                      cfg.train.steps, cfg.grpo.updates_per_step)
       jitted = step_lib.jit_step(loss_fn, opt, schedule, 1, s.mesh, s.trainable(), dropout_seed=loop.dropout_seed(cfg))
@@ -187,7 +187,7 @@ class GrpoTask(loop.Task):
     scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=tok.pad_id, model_reward=self.model_reward)
     baselines = None
     if self.cfg.grpo.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
-      greedy_spec = rollout.SamplingSpec(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
+      greedy_spec = rollout.SamplingSection(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
       greedy = rollout.sample(lm, tok, prompts, gen_key, greedy_spec, mesh=self.setup.mesh, rules=self.gen_rules)
       baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=tok.pad_id,
                                           model_reward=self.model_reward)[0], self.spec.num_samples)

@@ -16,7 +16,10 @@ import os
 from typing import Any
 
 from jalign import files
-from jalign.config import ConfigError, EvalSection, to_dataclass, validate
+from jalign.config import validate
+from jalign.errors import ConfigError
+from jalign.eval.policy import EvalSection
+from jalign.sections import to_dataclass
 from jalign.eval import policy as policy_eval, report
 from jalign.objectives.reward import is_ensemble
 from jalign.parallel.distributed import is_main, say

@@ -12,11 +12,12 @@ import time
 import jax
 
 from jalign import parallel
-from jalign.config import RunConfig, output_path, reward_spec, sampling_rules
+from jalign.config import RunConfig
+from jalign.files import output_path
 from jalign.data.sources import open_source
 from jalign.rl.buffer import BufferWriter
 from jalign.data.prompts import PromptError, encode_prompt
-from jalign.rl.rollout import SamplingSpec, rollout_batch
+from jalign.rl.rollout import rollout_batch
 from jalign.train.loop import load_model
 from jalign import tokenizer as tokenizer_lib
 
@@ -27,7 +28,7 @@ def run(cfg: RunConfig) -> dict:
   lm = load_model(cfg, mesh)
   s = cfg.sampling
   max_prompt = min(s.max_prompt_length, lm.cfg.max_position_embeddings - s.max_new_tokens)
-  rewards = reward_spec(cfg)
+  rewards = cfg.reward.spec()
   model_reward = None
   if cfg.reward.model:
     from jalign.rl.model_reward import ModelReward
@@ -41,7 +42,6 @@ def run(cfg: RunConfig) -> dict:
   per_batch = cfg.rollout.prompts_per_batch
   n_batches = -(-total // per_batch)
   done = writer.completed_parts()
-  spec = SamplingSpec(s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.min_p, s.num_samples)
   policy_id = os.path.abspath(cfg.model.path) if cfg.model.path else f"scratch:{cfg.seed}"
   key = jax.random.key(cfg.seed)
   kept = dropped = new_tokens = 0
@@ -56,8 +56,8 @@ def run(cfg: RunConfig) -> dict:
       prompts = []
       for i in range(b * per_batch, min((b + 1) * per_batch, total)):
         prompts.append(encode_prompt(source[i], tok, index=i, where=source.where(i), max_length=max_prompt))
-      records, stats = rollout_batch(lm, tok, prompts, jax.random.fold_in(key, b), spec, rewards, policy_id,
-                                     mesh=mesh, rules=sampling_rules(cfg), model_reward=model_reward)
+      records, stats = rollout_batch(lm, tok, prompts, jax.random.fold_in(key, b), s, rewards, policy_id,
+                                     mesh=mesh, rules=s.rules(cfg.mesh.rules), model_reward=model_reward)
       rewards_sum += stats["rollout/reward_mean"] * len(records)
       rewards_n += len(records)
       new_tokens += stats["rollout/new_tokens"]

@@ -10,7 +10,7 @@ from jalign.train import loop
 
 class SftTask(loop.Task):
   def make_loss_fn(self, graphdef):
-    return sft.make_loss_fn(graphdef, logprobs=self.cfg.logprobs.options())
+    return sft.make_loss_fn(graphdef, logprobs=self.cfg.logprobs)
 
   def encode(self, record, *, tok, max_length, truncation):
     return sft_data.encode(record, tok, max_length=max_length, truncation=truncation)

@@ -94,7 +94,7 @@ def test_keys_name_the_fields_of_any_dataset():
 
 def test_config_layouts_are_the_modules(tmp_path):
   import typing
-  from jalign.config import DataSection
+  from jalign.data.pipeline import DataSection
   hints = typing.get_type_hints(DataSection)
   assert typing.get_args(hints["layout"]) == layouts.NAMES
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jalign.config import ConfigError, GrpoSection
+from jalign.errors import ConfigError
+from jalign.rl.config import GrpoSection
 from jalign.train import grpo as grpo_train
 from jalign.rl.groups import Groups
 from tests.configs_util import ROOT, run_config
@@ -46,7 +47,7 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
     (dict(sampling__num_samples=1), r"config.sampling.num_samples=1: grpo compares completions of the same prompt"),
     (dict(grpo__mini_batches=3), r"config.grpo.mini_batches=3 does not divide the 16 completions per step"),
     (dict(grpo__clip_high=0.1), r"config.grpo.clip_high=0.1 must be >= clip_low=0.2"),
-    (dict(grpo__clip_c=0.5), r"config.grpo.clip_c=0.5: the dual-clip bound must be > 1"),
+    (dict(grpo__clip_c=0.5), r"config.grpo.clip_c=0.5: must be > 1"),
     (dict(sampling__temperature=0.0), r"GRPO needs sampled"),
     (dict(grpo__adv_estimator="ppo"), r"config.grpo.adv_estimator: 'ppo' is not accepted; accepted: 'grpo', "
                                       r"'drgrpo', 'rloo', 'gae'"),

@@ -60,7 +60,7 @@ def test_grpo_with_a_reward_model(tmp_path):
 
 
 def test_reward_config_errors(tmp_path):
-  from jalign.config import ConfigError
+  from jalign.errors import ConfigError
   with pytest.raises(ConfigError, match=r"config.reward: no reward configured"):
     run_config("grpo", reward__weights=())
   policy = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
@@ -83,7 +83,7 @@ def test_reward_config_errors(tmp_path):
 
 
 def test_an_ensemble_is_not_a_starting_point_for_training(tmp_path):
-  from jalign.config import ConfigError
+  from jalign.errors import ConfigError
   rm_dir = _reward_model(tmp_path, ({"train": PAIRS, "steps": 2, "weight": 1.0},))
   for task, extra in (("rm", dict(rm__members=())), ("grpo", {})):
     with pytest.raises(ConfigError, match=r"ensemble' is a reward-model ensemble .*use one of its numbered member"):

@@ -84,6 +84,6 @@ def test_bad_prompts_name_the_record(tmp_path, rows, message):
 
 
 def test_unknown_reward_is_a_config_error():
-  from jalign.config import ConfigError
+  from jalign.errors import ConfigError
   with pytest.raises(ConfigError, match=r"config.reward: unknown reward 'gsm9k'; available: boxed"):
     run_config("rollout", reward__weights=(("gsm9k", 1.0),))

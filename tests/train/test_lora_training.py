@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jalign import models
-from jalign.config import ConfigError
+from jalign.errors import ConfigError
 from jalign.models import lora
 from jalign.objectives import sft as sft_objective
 from jalign.train import dpo as dpo_task, grpo, loop, optimizer as optim_lib, reward as rm_task, sft as sft_task

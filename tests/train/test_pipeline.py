@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jalign.config import ConfigError
+from jalign.errors import ConfigError
 from jalign.eval import report
 from jalign.train import pipeline
 from tests.configs_util import ROOT, config_dict

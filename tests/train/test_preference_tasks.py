@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jalign import tokenizer
-from jalign.config import ConfigError
+from jalign.errors import ConfigError
 from jalign.train import dpo as dpo_task, reward as reward_task
 from tests.configs_util import ROOT, run_as_user, run_config
 
