@@ -11,7 +11,6 @@ preemption and export; this task builds the rollout stage and the update, and ru
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import grain
@@ -21,17 +20,15 @@ import numpy as np
 from flax import nnx
 
 from jalign import parallel
-from jalign.models.sharding import to_host
 from jalign.config import RunConfig
 from jalign.data.sources import open_source
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
-from jalign.rl import rollout
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
-from jalign.rl.groups import Groups, OfflineBuffer, minibatches
+from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
-from jalign.data.prompts import encode_prompt, left_pad
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
+from jalign.rl.stage import RolloutStage, advantages, update_rows
 from jalign.train import loop, optimizer as optim_lib, step as step_lib
 from jalign.train.critic import Critic
 
@@ -49,21 +46,19 @@ class GrpoTask(loop.Task):
     self.setup = setup
     mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
     self.rewards = cfg.reward.spec()
-    self.model_reward = None
+    model_reward = None
     if cfg.reward.model:
       from jalign.rl.model_reward import ModelReward
-      self.model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
+      model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
     self.spec = s
-    self.gen_rules = s.rules(cfg.mesh.rules)
     self.metric = next((n for n, _ in self.rewards.weights if n in NEEDS_GROUND_TRUTH), None)
     max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
-    self.encode_prompt = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
-    self.offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
-    self.source = open_source(g.prompts, cfg.data.fields()) if self.offline is None else self.offline
+    self.stage = RolloutStage(g, s, tok, self.rewards, fields=cfg.data.fields(), max_prompt=max_prompt, mesh=mesh,
+                              rules=s.rules(cfg.mesh.rules), model_reward=model_reward)
     self.eval_prompts = []
     if g.eval_prompts and self.metric:
       eval_source = open_source(g.eval_prompts, cfg.data.fields())
-      self.eval_prompts = [self.encode_prompt(eval_source[i], index=i, where=eval_source.where(i))
+      self.eval_prompts = [self.stage.encode(eval_source[i], index=i, where=eval_source.where(i))
                            for i in range(min(len(eval_source), g.eval_examples))]
 
     self.rows = g.prompts_per_step * s.num_samples
@@ -104,7 +99,7 @@ class GrpoTask(loop.Task):
     self.initial_acc = None
     self.step = 0
     self.last: dict = {}
-    self.iterator = _prompt_iterator(cfg, len(self.source))
+    self.iterator = _prompt_iterator(cfg, len(self.stage))
     return self.iterator
 
   def _update_fn(self, mini_batch_rows: int):
@@ -174,36 +169,17 @@ class GrpoTask(loop.Task):
               f"({(acc - self.initial_acc) * 100:+.1f} points); KL to reference {kl:.4f}")
     return f"step {step}: held-out {self.metric} accuracy {acc:.4f}  KL to reference {kl:.4f}"
 
-  def _collect(self, state, indices, gen_key) -> Groups:
-    """One prompt batch's groups: sampled and scored online, or read from the replay buffer offline."""
-    indices = [int(i) for i in indices]
-    tok = self.setup.tok
-    if self.offline is not None:
-      prompts, response, lengths, scores, behaviour = self.offline.batch(indices, tok.pad_id)
-      return Groups(prompts, self.spec.num_samples, response, lengths, scores, behaviour)
-    prompts = [self.encode_prompt(self.source[i], index=i, where=self.source.where(i)) for i in indices]
-    lm = self._policy(self.setup.full(state.params))
-    sampled = rollout.sample(lm, tok, prompts, gen_key, self.spec, mesh=self.setup.mesh, rules=self.gen_rules)
-    scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=tok.pad_id, model_reward=self.model_reward)
-    baselines = None
-    if self.cfg.grpo.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
-      greedy_spec = rollout.SamplingSection(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
-      greedy = rollout.sample(lm, tok, prompts, gen_key, greedy_spec, mesh=self.setup.mesh, rules=self.gen_rules)
-      baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=tok.pad_id,
-                                          model_reward=self.model_reward)[0], self.spec.num_samples)
-    return Groups(prompts, self.spec.num_samples, sampled.tokens, sampled.lengths, scores, None, rm_scores,
-                  baselines)
-
   def train_step(self, state, step: int):
     cfg, g, n = self.cfg, self.cfg.grpo, self.spec.num_samples
     full, tok = self.setup.full, self.setup.tok
     self.step = step
     t0 = time.perf_counter()
     step_key = jax.random.fold_in(self.key, step - 1)
-    batches = [self._collect(state, next(self.iterator), step_key)]
+    lm = self._policy(full(state.params))
+    batches = [self.stage.collect(lm, next(self.iterator), step_key)]
     if g.dynamic_sampling:  # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
       while sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step and len(batches) < g.max_gen_batches:
-        batches.append(self._collect(state, next(self.iterator), jax.random.fold_in(step_key, len(batches) + 1)))
+        batches.append(self.stage.collect(lm, next(self.iterator), jax.random.fold_in(step_key, len(batches) + 1)))
     sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
     signal = sampled.informative()
     trained = sampled
@@ -212,8 +188,7 @@ class GrpoTask(loop.Task):
       trained = Groups.select([sampled], max(kept, self.compact_unit))
     t_gen = time.perf_counter() - t0
 
-    ids, mask = left_pad(trained.prompts, tok.pad_id)
-    batch = rollout.model_rows(np.repeat(ids, n, 0), np.repeat(mask, n, 0), trained.response, trained.lengths)
+    batch = update_rows(trained, tok.pad_id)
     response_mask = batch["response_mask"]
     # Offline, the clipped ratio is taken against the stored behaviour log-probs, or (TIS) against the policy before
     # this step's update, the behaviour log-probs then giving each token's truncated importance weight.
@@ -234,8 +209,8 @@ class GrpoTask(loop.Task):
       kl_to_ref = (current, self.ref_logprobs(self.reference, device_batch))
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
     groups = np.repeat(np.arange(len(trained.prompts)), n)
-    adv, extra_cols, adv_metrics = _advantages(g, device_batch, trained.scores, groups, self.critic, kl_coef,
-                                               trained.baselines)
+    adv, extra_cols, adv_metrics = advantages(g, device_batch, trained.scores, groups, self.critic, kl_coef,
+                                              trained.baselines)
     if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
       extra_cols["response_mask"] = response_mask * np.repeat(trained.informative(), n)[:, None]
     no_signal = not np.any((adv != 0) & (extra_cols.get("response_mask", response_mask) > 0))
@@ -322,32 +297,3 @@ def _example(groups: Groups, tok, rewards: RewardSpec) -> str:
   names = ", ".join(f"{name} x {w:g}" for name, w in rewards.weights)
   return (f"Rewards: {names}. For example {p.where} (ground truth {p.ground_truth!r}) scored "
           f"{float(groups.scores[0]):g} for the completion {text[:160]!r}.")
-
-
-def _advantages(g, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic: Critic | None,
-                kl_coef: float, baselines: np.ndarray | None = None):
-  """Host arrays: advantages [N, R], the extra batch columns (`returns`, `old_values` for the critic) and metrics.
-  Token rewards are the outcome on each response's last token, minus kl_coef x KL(old || ref) per token when the KL
-  goes in the reward (verl `apply_kl_penalty`). `baselines` [N]: remax's greedy-response rewards."""
-  mask = device_batch["response_mask"].astype(jnp.float32)
-  token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(scores), mask)
-  metrics = {}
-  if g.kl_in_reward:
-    kl = policy_lib.kl_penalty(device_batch["old_logp"], device_batch["ref_logp"], g.kl_kind) * mask
-    token_rewards = token_rewards - kl_coef * kl
-    metrics["actor/reward_kl"] = float(adv_lib.masked_mean(kl, mask))
-  values = critic.values(device_batch) if critic is not None else None
-  adv, returns = adv_lib.estimate(g.adv_estimator, token_rewards, mask, jnp.asarray(groups), values_BxT=values,
-                                  baselines_B=None if baselines is None else jnp.asarray(baselines, jnp.float32),
-                                  gamma=g.gamma, lam=g.lam)
-  if baselines is not None:
-    metrics["critic/remax_baseline/mean"] = float(np.mean(baselines))
-  extra = {}
-  if critic is not None:
-    returns, values, m = to_host((returns, values, mask))
-    extra = {"returns": returns.astype(np.float32), "old_values": values.astype(np.float32)}
-    r, residual = returns[m > 0], (returns - values)[m > 0]
-    metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r.var(), 1e-8)),
-                    "critic/values/mean": float(values[m > 0].mean()), "critic/returns/mean": float(r.mean())})
-  metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
-  return to_host(adv).astype(np.float32), extra, metrics

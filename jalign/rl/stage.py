@@ -1,0 +1,88 @@
+"""GRPO / PPO's rollout stage: a step's prompt indices -> scored groups (sampled online through `rl.rollout`, or read
+from a replay buffer) -> the update batch's columns -> advantages. Everything here is host-side orchestration; the
+model work runs in the sampler, the reward model and the jitted log-prob and critic functions it is given."""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from jalign.data.prompts import encode_prompt, left_pad
+from jalign.data.sources import open_source
+from jalign.losses import advantages as adv_lib, policy as policy_lib
+from jalign.models.sharding import to_host
+from jalign.rl import rollout
+from jalign.rl.config import GrpoSection
+from jalign.rl.groups import Groups, OfflineBuffer
+from jalign.rl.rewards import RewardSpec
+from jalign.rl.rollout import SamplingSection
+
+
+class RolloutStage:
+  """Prompts from `grpo.prompts` (online) or groups from `grpo.buffer` (offline), as `Groups`."""
+
+  def __init__(self, g: GrpoSection, s: SamplingSection, tok, rewards: RewardSpec, *, fields, max_prompt: int,
+               mesh=None, rules=None, model_reward=None):
+    self.g, self.spec, self.tok, self.rewards = g, s, tok, rewards
+    self.mesh, self.rules, self.model_reward = mesh, rules, model_reward
+    self.encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
+    self.offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
+    self.source = open_source(g.prompts, fields) if self.offline is None else self.offline
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def collect(self, lm, indices, key) -> Groups:
+    """The groups of prompts `indices`: sampled from `lm` with `key` and scored, or read from the buffer."""
+    indices = [int(i) for i in indices]
+    n, pad = self.spec.num_samples, self.tok.pad_id
+    if self.offline is not None:
+      prompts, response, lengths, scores, behaviour = self.offline.batch(indices, pad)
+      return Groups(prompts, n, response, lengths, scores, behaviour)
+    prompts = [self.encode(self.source[i], index=i, where=self.source.where(i)) for i in indices]
+    sampled = rollout.sample(lm, self.tok, prompts, key, self.spec, mesh=self.mesh, rules=self.rules)
+    scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=pad, model_reward=self.model_reward)
+    baselines = None
+    if self.g.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
+      greedy_spec = SamplingSection(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
+      greedy = rollout.sample(lm, self.tok, prompts, key, greedy_spec, mesh=self.mesh, rules=self.rules)
+      baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=pad, model_reward=self.model_reward)[0], n)
+    return Groups(prompts, n, sampled.tokens, sampled.lengths, scores, None, rm_scores, baselines)
+
+
+def update_rows(groups: Groups, pad_id: int) -> dict:
+  """The model columns of `groups` (prompt + response rows, one per completion)."""
+  ids, mask = left_pad(groups.prompts, pad_id)
+  n = groups.size
+  return rollout.model_rows(np.repeat(ids, n, 0), np.repeat(mask, n, 0), groups.response, groups.lengths)
+
+
+def advantages(g: GrpoSection, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic, kl_coef: float,
+               baselines: np.ndarray | None = None):
+  """Host arrays: advantages [N, R], the extra batch columns (`returns`, `old_values` for a critic: an object with
+  `values(batch)`) and metrics. Token rewards are the outcome on each response's last token, minus kl_coef x
+  KL(old || ref) per token when the KL goes in the reward (verl `apply_kl_penalty`). `groups` [N]: each row's group
+  id; `baselines` [N]: remax's greedy-response rewards."""
+  mask = device_batch["response_mask"].astype(jnp.float32)
+  token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(scores), mask)
+  metrics = {}
+  if g.kl_in_reward:
+    kl = policy_lib.kl_penalty(device_batch["old_logp"], device_batch["ref_logp"], g.kl_kind) * mask
+    token_rewards = token_rewards - kl_coef * kl
+    metrics["actor/reward_kl"] = float(adv_lib.masked_mean(kl, mask))
+  values = critic.values(device_batch) if critic is not None else None
+  adv, returns = adv_lib.estimate(g.adv_estimator, token_rewards, mask, jnp.asarray(groups), values_BxT=values,
+                                  baselines_B=None if baselines is None else jnp.asarray(baselines, jnp.float32),
+                                  gamma=g.gamma, lam=g.lam)
+  if baselines is not None:
+    metrics["critic/remax_baseline/mean"] = float(np.mean(baselines))
+  extra = {}
+  if critic is not None:
+    returns, values, m = to_host((returns, values, mask))
+    extra = {"returns": returns.astype(np.float32), "old_values": values.astype(np.float32)}
+    r, residual = returns[m > 0], (returns - values)[m > 0]
+    metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r.var(), 1e-8)),
+                    "critic/values/mean": float(values[m > 0].mean()), "critic/returns/mean": float(r.mean())})
+  metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
+  return to_host(adv).astype(np.float32), extra, metrics
