@@ -24,6 +24,7 @@ class Groups:
   behaviour: np.ndarray | None = None   # [N, R] stored log-probs (offline)
   rm_scores: np.ndarray | None = None   # [N] reward-model share of the scores
   baselines: np.ndarray | None = None   # [N] reward of the prompt's greedy response (remax)
+  sampler_logp: np.ndarray | None = None   # [N, R] the sampler's log-probs of the response tokens (online)
 
   def informative(self) -> np.ndarray:
     """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
@@ -41,7 +42,7 @@ class Groups:
     cat = lambda name: None if getattr(batches[0], name) is None else np.concatenate(  # noqa: E731
         [getattr(b, name)[rows(b, i)] for b, i in picked])
     return Groups([b.prompts[i] for b, i in picked], batches[0].size, cat("response"), cat("lengths"),
-                  cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"))
+                  cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"), cat("sampler_logp"))
 
 
 class OfflineBuffer:

@@ -48,7 +48,8 @@ class RolloutStage:
       greedy_spec = SamplingSection(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
       greedy = rollout.sample(lm, self.tok, prompts, key, greedy_spec, mesh=self.mesh, rules=self.rules)
       baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=pad, model_reward=self.model_reward)[0], n)
-    return Groups(prompts, n, sampled.tokens, sampled.lengths, scores, None, rm_scores, baselines)
+    return Groups(prompts, n, sampled.tokens, sampled.lengths, scores, None, rm_scores, baselines,
+                  sampled.logprobs)
 
 
 def update_rows(groups: Groups, pad_id: int) -> dict:
@@ -86,3 +87,14 @@ def advantages(g: GrpoSection, device_batch: dict, scores: np.ndarray, groups: n
                     "critic/values/mean": float(values[m > 0].mean()), "critic/returns/mean": float(r.mean())})
   metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
   return to_host(adv).astype(np.float32), extra, metrics
+
+
+def logprob_agreement(rollout_logp: np.ndarray, trainer_logp: np.ndarray, response_mask: np.ndarray) -> dict:
+  """|rollout log-prob - trainer log-prob| over the real response tokens [N, R], mean and max: how far the
+  distribution the tokens were sampled from is from the one the update's ratios start from (the sampler runs the
+  trainer's own model code, so online and in fp32 this is rounding; offline it is the buffer's staleness)."""
+  real = np.asarray(response_mask) > 0
+  diff = np.abs(np.asarray(rollout_logp, np.float64) - np.asarray(trainer_logp, np.float64))[real]
+  if not diff.size:
+    return {}
+  return {"rollout/logprob_abs_diff_mean": float(diff.mean()), "rollout/logprob_abs_diff_max": float(diff.max())}

@@ -28,7 +28,8 @@ from jalign.objectives import grpo as objective
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
-from jalign.rl.stage import RolloutStage, advantages, update_rows
+from jalign.models.sharding import to_host
+from jalign.rl.stage import RolloutStage, advantages, logprob_agreement, update_rows
 from jalign.train import loop, optimizer as optim_lib, step as step_lib
 from jalign.train.critic import Critic
 
@@ -207,6 +208,12 @@ class GrpoTask(loop.Task):
       current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
           self.logprobs(full(state.params), device_batch)
       kl_to_ref = (current, self.ref_logprobs(self.reference, device_batch))
+    agreement = {}
+    rollout_logp = trained.behaviour if trained.behaviour is not None else trained.sampler_logp
+    if logs and rollout_logp is not None:  # the sampler's log-probs against the trainer's, same tokens and weights
+      current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
+          kl_to_ref[0] if kl_to_ref is not None else self.logprobs(full(state.params), device_batch)
+      agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
     groups = np.repeat(np.arange(len(trained.prompts)), n)
     adv, extra_cols, adv_metrics = advantages(g, device_batch, trained.scores, groups, self.critic, kl_coef,
@@ -230,6 +237,7 @@ class GrpoTask(loop.Task):
                "differ; every advantage is 0)" + ("; update skipped" if skip_update else ""))
     if kl_to_ref is not None:
       metrics["actor/kl_loss"] = kl_to_ref
+    metrics.update(agreement)
     if self.kl_ctl is not None or g.kl_in_reward:
       metrics["actor/kl_coef"] = kl_coef
     if sampled.rm_scores is not None:
