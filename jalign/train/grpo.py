@@ -202,9 +202,9 @@ class GrpoTask(loop.Task):
     logs = step % cfg.train.log_every == 0 or step == cfg.train.steps
     evals = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_prompts)
     kl_to_ref = None
-    if self.ref_every_step:
+    if self.ref_every_step and g.kl_in_reward:  # the rewards subtract the KL: the advantages need it
       device_batch["ref_logp"] = self.ref_logprobs(self.reference, device_batch)
-    elif logs or evals:  # the policy's log-probs before this step's update, as the loss would see them on-policy
+    elif not self.ref_every_step and (logs or evals):  # the policy's log-probs before this step's update, as the loss would see them on-policy
       current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
           self.logprobs(full(state.params), device_batch)
       kl_to_ref = (current, self.ref_logprobs(self.reference, device_batch))
@@ -223,6 +223,8 @@ class GrpoTask(loop.Task):
     no_signal = not np.any((adv != 0) & (extra_cols.get("response_mask", response_mask) > 0))
     skip_update = no_signal and g.no_signal == "skip" and self.critic is None  # a critic still learns the returns
     device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, self.batch_sharding))
+    if self.ref_every_step and not g.kl_in_reward and not skip_update:  # only the loss's KL term reads it
+      device_batch["ref_logp"] = self.ref_logprobs(self.reference, device_batch)
     if kl_to_ref is not None:
       kl_to_ref = float(self.report_kl(*kl_to_ref, device_batch["response_mask"]))
     if self.kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
