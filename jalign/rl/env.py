@@ -1,0 +1,139 @@
+"""Environments for multi-turn RL: an episode starts from a prompt record (`reset` -> the first messages) and goes on
+turn by turn (`step(action_text)` -> observation messages, the turn's reward, done), with a turn limit and per-episode
+state. Registered by name, as rewards are.
+
+`ToolEnv` is the tool-calling environment: a turn whose text calls tools (in the chat template's format) gets the
+tools' outputs back as `tool` messages; a turn without a call is the final answer, scored by a verifiable reward of
+`jalign.rl.rewards`; a malformed call, an unknown tool or a tool that fails gets an error message and the episode goes
+on. An episode that reaches `max_turns` without answering ends truncated, with reward 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Callable
+
+import numpy as np
+
+from jalign.data.prompts import ground_truth_of
+from jalign.errors import ConfigError
+from jalign.rl import tools as tools_lib
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY as REWARDS, Batch
+
+
+@dataclasses.dataclass
+class Step:
+  observation: list[dict]      # messages to append before the model's next turn ([] when done)
+  reward: float                # this turn's reward (a final answer's score; 0 for intermediate turns)
+  done: bool
+  info: dict = dataclasses.field(default_factory=dict)
+
+
+class Env:
+  """One episode at a time."""
+  max_turns: int = 1
+
+  def reset(self, record: dict) -> list[dict]:
+    """The episode's first messages (the prompt)."""
+    raise NotImplementedError
+
+  def step(self, action_text: str) -> Step:
+    raise NotImplementedError
+
+
+def prompt_messages(record: dict) -> list[dict]:
+  """A prompt record's `prompt`: a string (one user turn) or a message list (verl's layout)."""
+  prompt = record.get("prompt") if isinstance(record, dict) else None
+  if isinstance(prompt, str) and prompt.strip():
+    return [{"role": "user", "content": prompt}]
+  if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+    return [dict(m) for m in prompt]
+  raise ConfigError(f"environment: a record needs a 'prompt' string or message list, got {str(prompt)[:60]!r}")
+
+
+class ToolEnv(Env):
+  def __init__(self, tools: dict[str, tools_lib.Tool], *, reward: str = "gsm8k", fmt: str = "hermes",
+               max_turns: int = 4, max_chars: int = 2000):
+    if reward not in NEEDS_GROUND_TRUTH:
+      raise ConfigError(f"environment reward {reward!r}; accepted verifiable rewards: "
+                        f"{', '.join(sorted(NEEDS_GROUND_TRUTH))}")
+    if fmt not in tools_lib.FORMATS:
+      raise ConfigError(f"tool call format {fmt!r}; accepted: {', '.join(tools_lib.FORMATS)}")
+    if max_turns < 1:
+      raise ConfigError(f"environment max_turns={max_turns}: must be >= 1")
+    self.tools, self.reward_name, self.fmt = tools, reward, fmt
+    self.max_turns, self.max_chars = max_turns, max_chars
+
+  def schemas(self) -> list[dict]:
+    """The `tools=` argument of the chat template."""
+    return [t.schema() for t in self.tools.values()]
+
+  def reset(self, record: dict) -> list[dict]:
+    self.truth = ground_truth_of(record)
+    self.turn = self.calls = self.errors = 0
+    return prompt_messages(record)
+
+  def _info(self, **extra) -> dict:
+    return {"turns": self.turn, "tool_calls": self.calls, "tool_errors": self.errors, **extra}
+
+  def step(self, action_text: str) -> Step:
+    self.turn += 1
+    try:
+      calls = tools_lib.parse_calls(action_text, self.fmt)
+    except tools_lib.ToolError as e:
+      self.errors += 1
+      observation = [{"role": "tool", "content": f"error: {e}"}]
+    else:
+      if not calls:  # the final answer
+        score = REWARDS[self.reward_name](Batch([action_text], [self.truth], np.asarray([len(action_text)])))
+        return Step([], float(score[0]), True, self._info(truncated=False))
+      observation = []
+      for call in calls:
+        out, ok = tools_lib.run(call, self.tools, max_chars=self.max_chars)
+        self.calls += 1
+        self.errors += not ok
+        observation.append({"role": "tool", "name": call.name, "content": out})
+    if self.turn >= self.max_turns:
+      return Step([], 0.0, True, self._info(truncated=True))
+    return Step(observation, 0.0, False, self._info(truncated=False))
+
+
+def tool_instructions(schemas: list[dict], fmt: str) -> str:
+  """A system message that shows tools to a model whose chat template has no tool section (Llama 3.0's, ...)."""
+  example = {"name": "NAME", "arguments": {"ARGUMENT": "VALUE"}}
+  call = {"hermes": f"<tool_call>\n{json.dumps(example)}\n</tool_call>",
+          "mistral": f"[TOOL_CALLS] [{json.dumps(example)}]",
+          "llama3": json.dumps({"name": "NAME", "parameters": {"ARGUMENT": "VALUE"}})}[fmt]
+  listed = "\n".join(json.dumps(s["function"]) for s in schemas)
+  return (f"You can call these tools, described as JSON schemas:\n{listed}\nTo call one, reply with exactly:\n{call}\n"
+          "and nothing after it; the result comes back in the next message. Answer without a call when you are "
+          "done.")
+
+
+def with_tools(tok, messages: list[dict], env: ToolEnv) -> tuple[list[dict], dict]:
+  """(messages, render_chat keyword arguments) that show `env`'s tools to the model: through the chat template's own
+  tool section where it has one, else as a system message (merged into the first one if there is one)."""
+  schemas = env.schemas()
+  if tok.render_chat(messages, add_generation_prompt=True, tools=schemas) != \
+      tok.render_chat(messages, add_generation_prompt=True):
+    return messages, {"tools": schemas}
+  text = tool_instructions(schemas, env.fmt)
+  if messages and messages[0]["role"] == "system":
+    return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], {}
+  return [{"role": "system", "content": text}, *messages], {}
+
+
+REGISTRY: dict[str, Callable[..., Env]] = {}
+
+
+def register(name: str, factory: Callable[..., Env]) -> None:
+  REGISTRY[name] = factory
+
+
+def make(name: str, **kwargs) -> Env:
+  if name not in REGISTRY:
+    raise ConfigError(f"unknown environment {name!r}; registered: {', '.join(sorted(REGISTRY))}")
+  return REGISTRY[name](**kwargs)
+
+
+register("calculator", lambda **kw: ToolEnv(tools_lib.get(["calculator"]), **kw))

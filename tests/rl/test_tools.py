@@ -1,0 +1,144 @@
+"""Tools and the tool-calling environment: exact arithmetic against Python's Fraction, tool calls parsed in the
+formats the real chat templates ask for, every failure an error observation (never a crash), episodes with a turn
+limit, and tool schemas rendered by the real Qwen3, Llama 3 and Mistral templates."""
+import json
+import random
+from fractions import Fraction
+
+import pytest
+
+from jalign import tokenizer
+from jalign.errors import ConfigError
+from jalign.rl import env as env_lib, tools
+from tests.realdata import path
+
+
+def test_calculator_is_exact_against_fractions():
+  rng = random.Random(0)
+  for _ in range(200):
+    a, b, c = (rng.randint(-10 ** 6, 10 ** 6) for _ in range(3))
+    b = b or 7
+    want = Fraction(a) * Fraction(c) + Fraction(a, b)
+    got = tools.calculate(f"{a} * {c} + {a} / {b}")
+    assert Fraction(got) == want, (a, b, c, got)
+  assert tools.calculate("123456 * 654321") == str(123456 * 654321)
+  assert tools.calculate("0.1 + 0.2") == "0.3"            # decimals exact, not binary floats
+  assert tools.calculate("2 ^ 10") == "1024" and tools.calculate("1,000 + 1") == "1001"
+  assert tools.calculate("10 / 4") == "2.5" and tools.calculate("1 / 3") == "1/3" and tools.calculate("-7 // 2") == "-4"
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("1 / 0", "division by zero"), ("0 ** -1", "division by zero"), ("2 ** 100000", "exponents"),
+    ("9 ** 9 ** 9", "exponents"), ("10 ** 3000", "digits"), ("__import__('os').system('true')", "unsupported"),
+    ("(1 + ", "cannot parse"), ("x + 1", "unsupported"), ("1" * 600, "longer than 500"), ("1e400", "too large"),
+])
+def test_calculator_refuses_what_it_cannot_do_exactly_or_safely(expression, message):
+  with pytest.raises(tools.ToolError, match=message):
+    tools.calculate(expression)
+
+
+def test_tool_calls_parsed_in_each_templates_format():
+  call = {"name": "calculator", "arguments": {"expression": "2 + 2"}}
+  block = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+  hermes = f"Let me compute.\n{block}\n{block}"
+  assert tools.parse_calls(hermes, "hermes") == [tools.ToolCall("calculator", {"expression": "2 + 2"})] * 2
+  assert tools.parse_calls(f"[TOOL_CALLS] [{json.dumps(call)}]", "mistral") == [tools.ToolCall(**call)]
+  llama = json.dumps({"name": "calculator", "parameters": {"expression": "2 + 2"}})
+  assert tools.parse_calls(llama, "llama3") == [tools.ToolCall(**call)]
+  as_string = json.dumps({"name": "calculator", "arguments": json.dumps({"expression": "1"})})
+  assert tools.parse_calls(as_string, "llama3")[0].arguments == {"expression": "1"}
+  for fmt in tools.FORMATS:
+    assert tools.parse_calls("The answer is 4.\n#### 4", fmt) == []
+
+
+@pytest.mark.parametrize("text, fmt, message", [
+    ("<tool_call>{\"name\": \"calculator\", </tool_call>", "hermes", "not valid JSON"),
+    ("<tool_call>{\"name\": \"calculator\"}", "hermes", "not closed"),
+    ("<tool_call>[1, 2]</tool_call>", "hermes", "string \"name\""),
+    ("<tool_call>{\"name\": \"calculator\", \"arguments\": [1]}</tool_call>", "hermes", "must be a JSON object"),
+    ("[TOOL_CALLS] {\"name\": \"x\"}", "mistral", "JSON list"),
+    ("{\"name\": \"calculator\", \"parameters\": {", "llama3", "not valid JSON"),
+])
+def test_malformed_calls_raise_a_readable_tool_error(text, fmt, message):
+  with pytest.raises(tools.ToolError, match=message):
+    tools.parse_calls(text, fmt)
+
+
+def test_running_a_call_never_raises():
+  def boom(x: int) -> str:
+    raise RuntimeError("the tool broke")
+  registry = {"calculator": tools.REGISTRY["calculator"],
+              "boom": tools.Tool("boom", "fails", {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                   "required": ["x"]}, boom),
+              "chatty": tools.Tool("chatty", "talks", {"type": "object", "properties": {}}, lambda: "a" * 10_000)}
+  cases = [(tools.ToolCall("calculator", {"expression": "6 * 7"}), "42", True),
+           (tools.ToolCall("nope", {}), "error: unknown tool 'nope'; available: boom, calculator, chatty", False),
+           (tools.ToolCall("calculator", {}), "error: calculator: missing argument(s) ['expression']", False),
+           (tools.ToolCall("calculator", {"expression": "1", "x": 2}), "error: calculator: unknown argument(s)", False),
+           (tools.ToolCall("boom", {"x": True}), "error: boom: argument 'x' must be of type integer", False),
+           (tools.ToolCall("boom", {"x": 1}), "error: boom raised RuntimeError: the tool broke", False),
+           (tools.ToolCall("calculator", {"expression": "1/0"}), "error: calculator: division by zero", False)]
+  for call, want, ok in cases:
+    out, good = tools.run(call, registry)
+    assert out.startswith(want) and good == ok, (call, out)
+  out, ok = tools.run(tools.ToolCall("chatty", {}), registry, max_chars=100)
+  assert ok and out == "a" * 100 + " ... [cut: 9900 more characters]"
+  with pytest.raises(ConfigError, match="unknown tool"):
+    tools.get(["calculator", "web_search"])
+
+
+def _call(expression: str) -> str:
+  return f"<tool_call>\n{json.dumps({'name': 'calculator', 'arguments': {'expression': expression}})}\n</tool_call>"
+
+
+def test_calculator_episode():
+  env = env_lib.make("calculator", reward="gsm8k", max_turns=3)
+  record = {"prompt": "What is 1234 * 5678?", "answer": "7006652"}
+  assert env.reset(record) == [{"role": "user", "content": "What is 1234 * 5678?"}]
+  step = env.step("I will use the calculator.\n" + _call("1234 * 5678"))
+  assert not step.done and step.reward == 0.0
+  assert step.observation == [{"role": "tool", "name": "calculator", "content": "7006652"}]
+  step = env.step("<tool_call>{oops</tool_call>")
+  assert not step.done and step.observation[0]["content"].startswith("error: tool call: not valid JSON")
+  step = env.step("1234 * 5678 = 7006652.\n#### 7006652")
+  assert step.done and step.reward == 1.0
+  assert step.info == {"turns": 3, "tool_calls": 1, "tool_errors": 1, "truncated": False}
+  env.reset(record)  # a new episode starts clean
+  assert env.step("#### 12").reward == 0.0
+
+
+def test_episode_ends_truncated_at_the_turn_limit():
+  env = env_lib.make("calculator", max_turns=2)
+  env.reset({"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"})
+  assert not env.step(_call("2+2")).done
+  last = env.step(_call("2+2"))
+  assert last.done and last.reward == 0.0 and last.info["truncated"] and last.observation == []
+
+
+def test_bad_environment_settings():
+  with pytest.raises(ConfigError, match="unknown environment 'chess'; registered: calculator"):
+    env_lib.make("chess")
+  with pytest.raises(ConfigError, match="accepted verifiable rewards"):
+    env_lib.make("calculator", reward="format")
+  with pytest.raises(ConfigError, match="tool call format 'xml'"):
+    env_lib.make("calculator", fmt="xml")
+  with pytest.raises(ConfigError, match="max_turns=0"):
+    env_lib.make("calculator", max_turns=0)
+  with pytest.raises(ConfigError, match="needs a 'prompt'"):
+    env_lib.make("calculator").reset({"question": "2+2?"})
+
+
+@pytest.mark.parametrize("name, own_section", [("qwen3", True), ("llama3", False)])
+def test_real_templates_show_the_tools(name, own_section):
+  """Qwen3's template has a tool section and renders the schemas itself; Llama 3.0's has none, so the tools and the
+  call format go into a system message."""
+  tok = tokenizer.load(path(f"tokenizers/{name}"))
+  env = env_lib.make("calculator")
+  messages, kwargs = env_lib.with_tools(tok, env.reset({"prompt": "What is 1234 * 5678?", "answer": "7"}), env)
+  text = tok.render_chat(messages, add_generation_prompt=True, **kwargs)
+  assert ("tools" in kwargs) == own_section and (messages[0]["role"] == "system") != own_section
+  assert '"calculator"' in text and '"expression"' in text and "<tool_call>" in text
+  assert text.index('"expression"') < text.index("What is 1234 * 5678?")
+  with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+  merged, _ = env_lib.with_tools(tok, with_system, env)
+  assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.") or own_section
