@@ -142,3 +142,49 @@ def test_real_templates_show_the_tools(name, own_section):
   with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
   merged, _ = env_lib.with_tools(tok, with_system, env)
   assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.") or own_section
+
+
+@pytest.mark.parametrize("name, end, think", [("qwen3", "<|im_end|>", True), ("llama3", "<|eot_id|>", False)])
+def test_episode_tokens_equal_the_templates_rendering_of_the_whole_conversation(name, end, think):
+  """Token in, token out: the model's sampled ids are kept as sampled, observations come from the template, and the
+  result equals the template's rendering of the finished conversation; the loss mask covers exactly the model's ids
+  (Qwen3's turns open with the think block the model writes; its template re-renders the last turn with one)."""
+  from jalign.rl.episode import Episode
+  tok = tokenizer.load(path(f"tokenizers/{name}"))
+  end_id = tok.tk.token_to_id(end)
+  env = env_lib.make("calculator", max_turns=4)
+  messages, kwargs = env_lib.with_tools(tok, env.reset({"prompt": "What is 1234 * 5678?", "answer": "7006652"}), env)
+  episode = Episode(tok, messages, **kwargs)
+  prefix = "<think>\nMultiply with the tool.\n</think>\n\n" if think else ""
+  turns = [prefix + "I will use the calculator.\n" + _call("1234 * 5678"),
+           prefix + "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": 5}}\n</tool_call>",
+           prefix + "1234 * 5678 = 7006652.\n#### 7006652"]
+  model_ids = []
+  for text in turns:
+    ids = tok.encode(text, add_special_tokens=False) + [end_id]  # what a model samples, its stop token included
+    model_ids.append(ids)
+    episode.add_model_turn(ids, text)
+    step = env.step(text)
+    if step.done:
+      break
+    episode.add_observation(step.observation)
+  assert step.done and step.reward == 1.0 and step.info["tool_errors"] == 1
+  assert '"content": "error: calculator: argument' not in episode.text and "error: calculator: argument" in episode.text
+  whole = tok.encode(tok.render_chat(episode.messages, **kwargs), add_special_tokens=False)
+  assert episode.ids == whole[:len(episode.ids)]
+  assert tok.decode(whole[len(episode.ids):], skip_special_tokens=False).strip() == ""  # a template's final newline
+  masked = [i for i, m in zip(episode.ids, episode.loss_mask) if m]
+  assert masked == [i for ids in model_ids for i in ids]
+  assert episode.response_mask[0] == 1 and len(episode.response_ids) == len(episode.ids) - episode.prompt_length
+
+
+def test_episode_refuses_a_turn_the_template_would_rewrite():
+  """Llama 3's template trims message content: a model turn ending in spaces before its stop token would be
+  re-rendered without them, so extending the episode would silently change sampled tokens."""
+  from jalign.rl.episode import Episode, EpisodeError
+  tok = tokenizer.load(path("tokenizers/llama3"))
+  episode = Episode(tok, [{"role": "user", "content": "2+2?"}])
+  text = _call("2+2") + "   "
+  episode.add_model_turn(tok.encode(text, add_special_tokens=False) + [tok.tk.token_to_id("<|eot_id|>")], text)
+  with pytest.raises(EpisodeError, match="renders the conversation so far differently"):
+    episode.add_observation([{"role": "tool", "content": "4"}])
