@@ -40,6 +40,10 @@ class Env:
   def step(self, action_text: str) -> Step:
     raise NotImplementedError
 
+  def info(self, **extra) -> dict:
+    """The running episode's counters (a Step's `info` reports them too), with `extra`."""
+    return dict(extra)
+
 
 def prompt_messages(record: dict) -> list[dict]:
   """A prompt record's `prompt`: a string (one user turn) or a message list (verl's layout)."""
@@ -73,7 +77,7 @@ class ToolEnv(Env):
     self.turn = self.calls = self.errors = 0
     return prompt_messages(record)
 
-  def _info(self, **extra) -> dict:
+  def info(self, **extra) -> dict:
     return {"turns": self.turn, "tool_calls": self.calls, "tool_errors": self.errors, **extra}
 
   def step(self, action_text: str) -> Step:
@@ -86,7 +90,7 @@ class ToolEnv(Env):
     else:
       if not calls:  # the final answer
         score = REWARDS[self.reward_name](Batch([action_text], [self.truth], np.asarray([len(action_text)])))
-        return Step([], float(score[0]), True, self._info(truncated=False))
+        return Step([], float(score[0]), True, self.info(truncated=False))
       observation = []
       for call in calls:
         out, ok = tools_lib.run(call, self.tools, max_chars=self.max_chars)
@@ -94,8 +98,8 @@ class ToolEnv(Env):
         self.errors += not ok
         observation.append({"role": "tool", "name": call.name, "content": out})
     if self.turn >= self.max_turns:
-      return Step([], 0.0, True, self._info(truncated=True))
-    return Step(observation, 0.0, False, self._info(truncated=False))
+      return Step([], 0.0, True, self.info(truncated=True))
+    return Step(observation, 0.0, False, self.info(truncated=False))
 
 
 def tool_instructions(schemas: list[dict], fmt: str) -> str:
@@ -110,9 +114,12 @@ def tool_instructions(schemas: list[dict], fmt: str) -> str:
           "done.")
 
 
-def with_tools(tok, messages: list[dict], env: ToolEnv) -> tuple[list[dict], dict]:
-  """(messages, render_chat keyword arguments) that show `env`'s tools to the model: through the chat template's own
-  tool section where it has one, else as a system message (merged into the first one if there is one)."""
+def with_tools(tok, messages: list[dict], env: Env) -> tuple[list[dict], dict]:
+  """(messages, render_chat keyword arguments) that show `env`'s tools to the model (none for an environment without
+  tools): through the chat template's own tool section where it has one, else as a system message (merged into the
+  first one if there is one)."""
+  if not isinstance(env, ToolEnv) or not env.tools:
+    return messages, {}
   schemas = env.schemas()
   if tok.render_chat(messages, add_generation_prompt=True, tools=schemas) != \
       tok.render_chat(messages, add_generation_prompt=True):

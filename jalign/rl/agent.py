@@ -1,0 +1,124 @@
+"""Multi-turn rollouts: each prompt record starts `n` episodes of an environment; turn by turn, the token ids of every
+episode still running are the prompts of one batched sampling call that stops at the end-of-turn token, each
+environment answers the decoded turn, and the template's observation ids are appended (`rl.episode`). An episode
+ends when its environment says so, when a turn runs out of tokens before its end-of-turn token (it cannot go on
+without re-tokenising), or when the next turn would pass the token budget; the last two are truncations, reward 0.
+
+The result is one row per episode: the response is everything after the prompt (the model's turns and the
+observations between them), the loss mask is 1 on the model's tokens only, and the log-probs are the sampler's."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jalign import sampling
+from jalign.models.sharding import to_host
+from jalign.rl.env import Env, with_tools
+from jalign.rl.episode import Episode, EpisodeError
+
+# sample_fn(list of token-id lists) -> (tokens [B, T], log-probs [B, T], lengths [B]): one turn per row, stopping at
+# (and including) the end-of-turn token.
+SampleFn = Callable[[list[list[int]]], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass
+class Episodes:
+  """`n` episodes per record, consecutive (a GRPO group)."""
+  n: int
+  prompt_ids: list[list[int]]          # [N] the rendered prompt of each episode
+  response: np.ndarray                 # [N, R] model turns and observations after the prompt, pad after `lengths`
+  lengths: np.ndarray                  # [N]
+  loss_mask: np.ndarray                # [N, R] 1 on the model's own tokens
+  logprobs: np.ndarray                 # [N, R] the sampler's log-probs of the model's tokens, 0 elsewhere
+  rewards: np.ndarray                  # [N]
+  info: list[dict]                     # [N] turns, tool_calls, tool_errors, truncated
+  episodes: list[Episode]
+
+  def metrics(self) -> dict[str, float]:
+    mean = lambda key: float(np.mean([i[key] for i in self.info]))  # noqa: E731
+    return {"agent/turns/mean": mean("turns"), "agent/tool_calls/mean": mean("tool_calls"),
+            "agent/tool_errors/mean": mean("tool_errors"), "agent/truncated_fraction": mean("truncated"),
+            "agent/episode_tokens/mean": float(np.mean(self.lengths))}
+
+
+def static_sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: int, **kwargs) -> SampleFn:
+  """A SampleFn over `sampling.generate` (left-padded prompts; each call folds a counter into `rng`)."""
+  calls = [0]
+
+  def sample(rows: list[list[int]]):
+    import jax
+    width = sampling.prompt_bucket(max(len(r) for r in rows))
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+      ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    out = sampling.generate(lm, ids, mask, jax.random.fold_in(rng, calls[0]), max_new_tokens=max_turn_tokens,
+                            temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id, **kwargs)
+    calls[0] += 1
+    return to_host((out.tokens, out.logprobs, out.lengths))
+
+  return sample
+
+
+def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sample_fn: SampleFn, *,
+            max_turn_tokens: int, max_tokens: int) -> Episodes:
+  """`n` episodes of each record, sampled turn by turn with `sample_fn`; `max_tokens` bounds a whole episode."""
+  envs = [make_env() for _ in range(len(records) * n)]
+  episodes, infos, logps = [], [], []
+  for i, env in enumerate(envs):
+    messages, kwargs = with_tools(tok, env.reset(records[i // n]), env)
+    episodes.append(Episode(tok, messages, **kwargs))
+    logps.append([])
+    infos.append(None)
+  rewards = np.zeros(len(envs), np.float32)
+  active = [k for k, e in enumerate(episodes) if len(e.ids) + max_turn_tokens <= max_tokens]
+  for k in set(range(len(envs))) - set(active):
+    infos[k] = envs[k].info(truncated=True)
+  while active:
+    tokens, logprobs, lengths = sample_fn([episodes[k].ids for k in active])
+    still = []
+    for row, k in enumerate(active):
+      ep, env, length = episodes[k], envs[k], int(lengths[row])
+      new = [int(t) for t in tokens[row, :length]]
+      ended = length > 0 and new[-1] == tok.eos_id
+      content = tok.decode(new[:-1] if ended else new)
+      ep.add_model_turn(new, content)
+      logps[k] += [float(x) for x in logprobs[row, :length]]
+      if not ended:  # out of tokens mid-turn: the template would close a turn the model never closed
+        infos[k] = env.info(truncated=True)
+        continue
+      step = env.step(content)
+      infos[k] = step.info
+      if step.done:
+        rewards[k] = step.reward
+        continue
+      before = len(ep.ids)
+      try:
+        ep.add_observation(step.observation)
+      except EpisodeError:  # the template would rewrite the model's turn: the episode cannot go on token for token
+        infos[k] = {**step.info, "truncated": True, "rewritten": True}
+        continue
+      logps[k] += [0.0] * (len(ep.ids) - before)
+      if len(ep.ids) + max_turn_tokens > max_tokens:
+        infos[k] = {**step.info, "truncated": True}
+        continue
+      still.append(k)
+    active = still
+  width = max(len(e.response_ids) for e in episodes)
+  response = np.zeros((len(envs), width), np.int32)
+  loss_mask = np.zeros((len(envs), width), np.int32)
+  logprobs = np.zeros((len(envs), width), np.float32)
+  lengths = np.zeros(len(envs), np.int32)
+  for k, e in enumerate(episodes):
+    r = e.response_ids
+    response[k, :len(r)] = r
+    response[k, len(r):] = tok.pad_id
+    loss_mask[k, :len(r)] = e.response_mask
+    logprobs[k, :len(r)] = logps[k]
+    lengths[k] = len(r)
+  infos = [{"turns": 0, "tool_calls": 0, "tool_errors": 0, "truncated": False, "rewritten": False, **i}
+           for i in infos]
+  return Episodes(n, [e.ids[:e.prompt_length] for e in episodes], response, lengths, loss_mask, logprobs, rewards,
+                  infos, episodes)

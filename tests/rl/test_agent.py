@@ -1,0 +1,99 @@
+"""Multi-turn rollouts (jalign.rl.agent): episodes sampled turn by turn in batches, tools answering between turns,
+one row per episode whose loss mask is exactly the model's tokens, truncation at the turn and episode budgets, and
+the real sampler driving the shipped tiny policy."""
+import json
+import os
+
+import jax
+import numpy as np
+
+from jalign import models, tokenizer
+from jalign.data.sources import open_source
+from jalign.rl import agent, env as env_lib
+from tests.configs_util import ROOT
+from tests.realdata import path
+
+RECORDS = [{"prompt": "What is 1234 * 5678?", "answer": "7006652"}, {"prompt": "What is 99 * 101?", "answer": "9999"}]
+
+
+def _scripted(tok, *, final_answers, cut_at=None):
+  """A stand-in model: first a calculator call on the prompt's expression, then `final_answers[prompt]`; every token
+  at log-prob -0.5. `cut_at`: turns longer than this stop without their end-of-turn token."""
+  def sample(rows):
+    out = []
+    for ids in rows:
+      text = tok.decode(ids, skip_special_tokens=False)
+      question = next(r["prompt"] for r in RECORDS if r["prompt"] in text)
+      if "<tool_response>" not in text:
+        call = {"name": "calculator", "arguments": {"expression": question.split("is ")[1].rstrip("?")}}
+        turn = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+      else:
+        turn = f"#### {final_answers[question]}"
+      ids = tok.encode(turn, add_special_tokens=False) + [tok.eos_id]
+      out.append(ids[:cut_at] if cut_at else ids)
+    width = max(map(len, out))
+    tokens = np.array([o + [tok.pad_id] * (width - len(o)) for o in out], np.int32)
+    logp = np.where(np.arange(width)[None] < np.array([len(o) for o in out])[:, None], -0.5, 0.0)
+    return tokens, logp.astype(np.float32), np.array([len(o) for o in out], np.int32)
+  return sample
+
+
+def test_episodes_with_a_tool_call_then_an_answer():
+  tok = tokenizer.load(path("tokenizers/qwen3"))
+  assert tok.eos_id == tok.tk.token_to_id("<|im_end|>")
+  answers = {RECORDS[0]["prompt"]: "7006652", RECORDS[1]["prompt"]: "9998"}  # the second answer is wrong
+  make = lambda: env_lib.make("calculator", max_turns=3)  # noqa: E731
+  out = agent.rollout(make, tok, RECORDS, 2, _scripted(tok, final_answers=answers), max_turn_tokens=64,
+                      max_tokens=4096)
+  assert out.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+  assert [i["turns"] for i in out.info] == [2] * 4 and [i["tool_calls"] for i in out.info] == [1] * 4
+  for k, ep in enumerate(out.episodes):
+    row = out.response[k, :out.lengths[k]].tolist()
+    assert row == ep.response_ids and out.prompt_ids[k] + row == ep.ids
+    text = tok.decode(row, skip_special_tokens=False)
+    assert "<tool_response>\n" + ("7006652" if k < 2 else "9999") + "\n</tool_response>" in text
+    model = [t for t, m in zip(row, out.loss_mask[k]) if m]
+    assert tok.decode(model, skip_special_tokens=False).count("<|im_end|>") == 2  # two turns, each closed
+    assert np.all((out.logprobs[k] == -0.5) == (out.loss_mask[k] == 1))
+    assert np.all(out.loss_mask[k, out.lengths[k]:] == 0) and np.all(out.response[k, out.lengths[k]:] == tok.pad_id)
+  m = out.metrics()
+  assert m["agent/turns/mean"] == 2.0 and m["agent/tool_calls/mean"] == 1.0 and m["agent/truncated_fraction"] == 0.0
+  assert m["agent/episode_tokens/mean"] == float(np.mean(out.lengths))
+
+
+def test_truncation_by_turn_and_episode_budgets():
+  tok = tokenizer.load(path("tokenizers/qwen3"))
+  answers = {r["prompt"]: r["answer"] for r in RECORDS}
+  make = lambda: env_lib.make("calculator", max_turns=3)  # noqa: E731
+  cut = agent.rollout(make, tok, RECORDS, 1, _scripted(tok, final_answers=answers, cut_at=5), max_turn_tokens=5,
+                      max_tokens=4096)
+  assert cut.rewards.tolist() == [0.0, 0.0] and all(i["truncated"] for i in cut.info)
+  assert cut.lengths.tolist() == [5, 5] and cut.loss_mask.sum() == 10
+  prompt = len(cut.prompt_ids[0])
+  short = agent.rollout(make, tok, RECORDS, 1, _scripted(tok, final_answers=answers), max_turn_tokens=64,
+                        max_tokens=prompt + 64 + 10)  # room for one turn, not for the observation and another
+  assert short.rewards.tolist() == [0.0, 0.0] and all(i["truncated"] and i["turns"] == 1 for i in short.info)
+  none = agent.rollout(make, tok, RECORDS, 1, _scripted(tok, final_answers=answers), max_turn_tokens=64,
+                       max_tokens=prompt)
+  assert none.lengths.tolist() == [0, 0] and all(i["truncated"] and i["turns"] == 0 for i in none.info)
+
+
+def test_the_static_sampler_drives_the_tiny_policy():
+  """The shipped policy knows no tools (and its context has no room for their description): with none offered, one
+  turn per episode, closed by its end-of-turn token, scored by the verifier; the sampler's log-probs sit on exactly
+  the model's tokens."""
+  lm = models.from_pretrained(os.path.join(ROOT, "jalign", "assets", "tiny_policy"))
+  tok = tokenizer.load(os.path.join(ROOT, "jalign", "assets", "arith_tokenizer"))
+  source = open_source("synthetic:arith:test:8")
+  records = [source[i] for i in range(8)]
+  sample = agent.static_sampler(lm, tok, jax.random.key(0), max_turn_tokens=16, temperature=1.0, pad_id=tok.pad_id)
+  out = agent.rollout(lambda: env_lib.ToolEnv({}, reward="gsm8k", max_turns=2), tok, records, 2, sample,
+                      max_turn_tokens=16, max_tokens=lm.cfg.max_position_embeddings)
+  assert [i["turns"] for i in out.info] == [1] * 16 and out.metrics()["agent/tool_calls/mean"] == 0.0
+  from jalign.rl.rewards import REGISTRY, Batch
+  for k in range(16):
+    assert out.response[k, out.lengths[k] - 1] == tok.eos_id and not out.info[k]["truncated"]
+    text = tok.decode(out.response[k, :out.lengths[k] - 1])
+    assert out.rewards[k] == REGISTRY["gsm8k"](Batch([text], [records[k // 2]["answer"]], np.ones(1)))[0]
+    assert np.all(out.loss_mask[k, :out.lengths[k]] == 1) and np.all(out.logprobs[k, :out.lengths[k]] <= 0)
+  assert 0.0 < out.rewards.mean() < 1.0
