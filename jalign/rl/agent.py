@@ -36,11 +36,23 @@ class Episodes:
   info: list[dict]                     # [N] turns, tool_calls, tool_errors, truncated
   episodes: list[Episode]
 
+  def counts(self) -> np.ndarray:
+    """[N, 4]: each episode's turns, tool calls, tool errors and whether it was truncated."""
+    return np.asarray([[i[k] for k in COUNTS] for i in self.info], np.float32)
+
   def metrics(self) -> dict[str, float]:
-    mean = lambda key: float(np.mean([i[key] for i in self.info]))  # noqa: E731
-    return {"agent/turns/mean": mean("turns"), "agent/tool_calls/mean": mean("tool_calls"),
-            "agent/tool_errors/mean": mean("tool_errors"), "agent/truncated_fraction": mean("truncated"),
-            "agent/episode_tokens/mean": float(np.mean(self.lengths))}
+    return summary(self.counts(), self.lengths)
+
+
+COUNTS = ("turns", "tool_calls", "tool_errors", "truncated")
+
+
+def summary(counts: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
+  """The agent/* metrics of episodes' `counts` [N, 4] and token `lengths` [N]."""
+  mean = counts.mean(0)
+  return {"agent/turns/mean": float(mean[0]), "agent/tool_calls/mean": float(mean[1]),
+          "agent/tool_errors/mean": float(mean[2]), "agent/truncated_fraction": float(mean[3]),
+          "agent/episode_tokens/mean": float(np.mean(lengths))}
 
 
 def static_sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: int, **kwargs) -> SampleFn:

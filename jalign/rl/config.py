@@ -74,6 +74,13 @@ class GrpoSection:
   # min(pi_old / pi_behaviour, cap), the stored behaviour log-probs correcting for the data's staleness. 0 = off:
   # the clipped ratio is taken against the behaviour log-probs themselves.
   tis_imp_ratio_cap: float = bounded(0.0, ge=0)
+  # Multi-turn: each sample is an episode of this environment (jalign.rl.env: "calculator", "answer"), turn by turn
+  # (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of reward.weights;
+  # "" = one turn, scored by the whole reward section.
+  env: str = ""
+  env_max_turns: int = bounded(4, gt=0)
+  env_tool_format: Literal["hermes", "llama3", "mistral"] = "hermes"   # how the model writes tool calls
+  env_max_tokens: int = bounded(0, ge=0)  # an episode's token budget, prompt included; 0 = the model's context
 
   @property
   def updates_per_step(self) -> int:
@@ -129,6 +136,11 @@ class GrpoSection:
     if g.max_gen_batches > 1 and not g.dynamic_sampling:
       raise ConfigError(f"config.grpo.max_gen_batches={g.max_gen_batches}: must be >= 1, and > 1 (refilling) only "
                         "with grpo.dynamic_sampling=True")
+    if g.env:
+      if g.buffer:
+        raise ConfigError("config.grpo.env: environments run online; a replay buffer (grpo.buffer) holds no episodes")
+      if g.adv_estimator == "remax":
+        raise ConfigError("config.grpo.env with adv_estimator='remax': the greedy baseline is one-turn only")
     mb_rows = rows // g.mini_batches
     if mb_rows % dp:
       raise ConfigError(f"config.grpo: {mb_rows} completions per mini-batch do not split over data-parallel size "

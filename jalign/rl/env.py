@@ -144,3 +144,4 @@ def make(name: str, **kwargs) -> Env:
 
 
 register("calculator", lambda **kw: ToolEnv(tools_lib.get(["calculator"]), **kw))
+register("answer", lambda **kw: ToolEnv({}, **kw))  # no tools: one answer per episode (the one-turn task as an env)

@@ -25,6 +25,8 @@ class Groups:
   rm_scores: np.ndarray | None = None   # [N] reward-model share of the scores
   baselines: np.ndarray | None = None   # [N] reward of the prompt's greedy response (remax)
   sampler_logp: np.ndarray | None = None   # [N, R] the sampler's log-probs of the response tokens (online)
+  loss_mask: np.ndarray | None = None   # [N, R] multi-turn: 1 on the model's tokens (observations excluded)
+  counts: np.ndarray | None = None      # [N, 4] multi-turn: turns, tool calls, tool errors, truncated
 
   def informative(self) -> np.ndarray:
     """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
@@ -39,10 +41,18 @@ class Groups:
     pool += [(b, i) for b in batches for i in np.flatnonzero(~b.informative())]
     picked = pool[:want]
     rows = lambda b, i: slice(i * b.size, (i + 1) * b.size)  # noqa: E731
-    cat = lambda name: None if getattr(batches[0], name) is None else np.concatenate(  # noqa: E731
-        [getattr(b, name)[rows(b, i)] for b, i in picked])
+    width = max(b.response.shape[1] for b in batches)  # multi-turn batches differ; padding is masked out
+
+    def cat(name):
+      if getattr(batches[0], name) is None:
+        return None
+      parts = [getattr(b, name)[rows(b, i)] for b, i in picked]
+      if parts[0].ndim == 2 and name != "counts":
+        parts = [np.pad(p, ((0, 0), (0, width - p.shape[1]))) for p in parts]
+      return np.concatenate(parts)
     return Groups([b.prompts[i] for b, i in picked], batches[0].size, cat("response"), cat("lengths"),
-                  cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"), cat("sampler_logp"))
+                  cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"), cat("sampler_logp"),
+                  cat("loss_mask"), cat("counts"))
 
 
 class OfflineBuffer:

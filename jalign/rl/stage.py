@@ -8,14 +8,16 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from jalign.data.prompts import encode_prompt, left_pad
+from jalign import sampling
+from jalign.data.prompts import Prompt, encode_prompt, ground_truth_of, left_pad
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.models.sharding import to_host
-from jalign.rl import rollout
+from jalign.errors import ConfigError
+from jalign.rl import agent, env as env_lib, rollout
 from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups, OfflineBuffer
-from jalign.rl.rewards import RewardSpec
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
 from jalign.rl.rollout import SamplingSection
 
 
@@ -23,12 +25,22 @@ class RolloutStage:
   """Prompts from `grpo.prompts` (online) or groups from `grpo.buffer` (offline), as `Groups`."""
 
   def __init__(self, g: GrpoSection, s: SamplingSection, tok, rewards: RewardSpec, *, fields, max_prompt: int,
-               mesh=None, rules=None, model_reward=None):
+               context: int, mesh=None, rules=None, model_reward=None):
     self.g, self.spec, self.tok, self.rewards = g, s, tok, rewards
     self.mesh, self.rules, self.model_reward = mesh, rules, model_reward
     self.encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
     self.offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
     self.source = open_source(g.prompts, fields) if self.offline is None else self.offline
+    self.make_env = None
+    if g.env:
+      metric = next((name for name, _ in rewards.weights if name in NEEDS_GROUND_TRUTH), None)
+      if metric is None:
+        raise ConfigError(f"config.grpo.env={g.env!r} scores final answers with a verifiable reward; reward.weights "
+                          f"has none (accepted: {', '.join(sorted(NEEDS_GROUND_TRUTH))})")
+      env_lib.make(g.env, reward=metric)  # unknown names fail here, before any sampling
+      self.make_env = functools.partial(env_lib.make, g.env, reward=metric, fmt=g.env_tool_format,
+                                        max_turns=g.env_max_turns)
+      self.max_tokens = min(g.env_max_tokens or context, context)
 
   def __len__(self) -> int:
     return len(self.source)
@@ -40,6 +52,8 @@ class RolloutStage:
     if self.offline is not None:
       prompts, response, lengths, scores, behaviour = self.offline.batch(indices, pad)
       return Groups(prompts, n, response, lengths, scores, behaviour)
+    if self.make_env is not None:
+      return self._episodes(lm, indices, key)
     prompts = [self.encode(self.source[i], index=i, where=self.source.where(i)) for i in indices]
     sampled = rollout.sample(lm, self.tok, prompts, key, self.spec, mesh=self.mesh, rules=self.rules)
     scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=pad, model_reward=self.model_reward)
@@ -52,11 +66,33 @@ class RolloutStage:
                   sampled.logprobs)
 
 
+  def _episodes(self, lm, indices: list[int], key) -> Groups:
+    """Multi-turn: `n` episodes of the environment per prompt record; the response is everything after the prompt,
+    its loss mask the model's own tokens."""
+    s, n, tok = self.spec, self.spec.num_samples, self.tok
+    records = [self.source[i] for i in indices]
+    sample = agent.static_sampler(lm, tok, key, max_turn_tokens=s.max_new_tokens, temperature=s.temperature,
+                                  pad_id=tok.pad_id, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, mesh=self.mesh,
+                                  rules=self.rules)
+    out = agent.rollout(self.make_env, tok, records, n, sample, max_turn_tokens=s.max_new_tokens,
+                        max_tokens=self.max_tokens)
+    prompts = [Prompt(i, out.prompt_ids[j * n], tok.decode(out.prompt_ids[j * n], skip_special_tokens=False),
+                      ground_truth_of(records[j]), self.source.where(i)) for j, i in enumerate(indices)]
+    width = sampling.prompt_bucket(out.response.shape[1])  # a few update shapes, not one per longest episode
+    pad = lambda a, value=0: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)  # noqa: E731
+    return Groups(prompts, n, pad(out.response, tok.pad_id), out.lengths, out.rewards, None, None, None,
+                  pad(out.logprobs), pad(out.loss_mask), out.counts())
+
+
 def update_rows(groups: Groups, pad_id: int) -> dict:
-  """The model columns of `groups` (prompt + response rows, one per completion)."""
+  """The model columns of `groups` (prompt + response rows, one per completion); multi-turn, the loss mask keeps
+  the observations out of the loss."""
   ids, mask = left_pad(groups.prompts, pad_id)
   n = groups.size
-  return rollout.model_rows(np.repeat(ids, n, 0), np.repeat(mask, n, 0), groups.response, groups.lengths)
+  rows = rollout.model_rows(np.repeat(ids, n, 0), np.repeat(mask, n, 0), groups.response, groups.lengths)
+  if groups.loss_mask is not None:
+    rows["response_mask"] = groups.loss_mask.astype(np.int32)
+  return rows
 
 
 def advantages(g: GrpoSection, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic, kl_coef: float,

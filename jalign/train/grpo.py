@@ -25,6 +25,7 @@ from jalign.data.sources import open_source
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
+from jalign.rl.agent import summary as agent_summary
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
@@ -54,7 +55,8 @@ class GrpoTask(loop.Task):
     self.spec = s
     self.metric = next((n for n, _ in self.rewards.weights if n in NEEDS_GROUND_TRUTH), None)
     max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
-    self.stage = RolloutStage(g, s, tok, self.rewards, fields=cfg.data.fields(), max_prompt=max_prompt, mesh=mesh,
+    self.stage = RolloutStage(g, s, tok, self.rewards, fields=cfg.data.fields(), max_prompt=max_prompt,
+                              context=setup.model_cfg.max_position_embeddings, mesh=mesh,
                               rules=s.rules(cfg.mesh.rules), model_reward=model_reward)
     self.eval_prompts = []
     if g.eval_prompts and self.metric:
@@ -244,6 +246,8 @@ class GrpoTask(loop.Task):
       metrics["actor/kl_coef"] = kl_coef
     if sampled.rm_scores is not None:
       metrics["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
+    if sampled.counts is not None:
+      metrics.update(agent_summary(sampled.counts, sampled.lengths))
     metrics.update({"critic/score/mean": float(np.mean(sampled.scores)),
                     "response_length/mean": float(np.mean(sampled.lengths)),
                     "actor/informative_groups": float(np.mean(signal)),
