@@ -67,10 +67,15 @@ def encode_prompt(record: Any, tok: Tokenizer, *, index: int, where: str, max_le
 
 def left_pad(prompts: list[Prompt], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
   """Prompt ids and mask [B, P], left-padded to the sampler's bucket (`sampling.prompt_bucket`)."""
-  width = sampling.prompt_bucket(max(len(p.ids) for p in prompts))
-  ids = np.full((len(prompts), width), pad_id, np.int32)
-  mask = np.zeros((len(prompts), width), np.int32)
-  for row, p in enumerate(prompts):
-    ids[row, width - len(p.ids):] = p.ids
-    mask[row, width - len(p.ids):] = 1
+  return left_pad_ids([p.ids for p in prompts], pad_id)
+
+
+def left_pad_ids(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Token-id rows -> ids and mask [B, P], left-padded to the sampler's bucket."""
+  width = sampling.prompt_bucket(max(len(r) for r in rows))
+  ids = np.full((len(rows), width), pad_id, np.int32)
+  mask = np.zeros((len(rows), width), np.int32)
+  for i, r in enumerate(rows):
+    ids[i, width - len(r):] = r
+    mask[i, width - len(r):] = 1
   return ids, mask

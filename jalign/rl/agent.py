@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from jalign import sampling
+from jalign.data.prompts import left_pad_ids
 from jalign.models.sharding import to_host
 from jalign.rl.env import Env, with_tools
 from jalign.rl.episode import Episode, EpisodeError
@@ -61,11 +62,7 @@ def static_sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pa
 
   def sample(rows: list[list[int]]):
     import jax
-    width = sampling.prompt_bucket(max(len(r) for r in rows))
-    ids = np.full((len(rows), width), pad_id, np.int32)
-    mask = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-      ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    ids, mask = left_pad_ids(rows, pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.fold_in(rng, calls[0]), max_new_tokens=max_turn_tokens,
                             temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id, **kwargs)
     calls[0] += 1
