@@ -11,6 +11,7 @@ import pytest
 
 from jalign.errors import ConfigError
 from jalign.rl.config import GrpoSection
+from jalign.rl.stage import advantages
 from jalign.train import grpo as grpo_train
 from jalign.rl.groups import Groups
 from tests.configs_util import ROOT, run_config
@@ -161,8 +162,8 @@ def test_remax_advantages_subtract_the_greedy_reward():
   # reward minus the reward of the same prompt's greedy response.
   mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]], np.int32)
   scores, baselines = np.array([1.0, 0.0, 0.5], np.float32), np.array([0.0, 1.0, 0.5], np.float32)
-  adv, _, metrics = grpo_train._advantages(GrpoSection(adv_estimator="remax"), {"response_mask": jnp.asarray(mask)},
-                                           scores, np.array([0, 0, 1]), None, 0.0, baselines)
+  adv, _, metrics = advantages(GrpoSection(adv_estimator="remax"), {"response_mask": jnp.asarray(mask)}, scores,
+                                np.array([0, 0, 1]), None, 0.0, baselines)
   np.testing.assert_allclose(adv, (scores - baselines)[:, None] * mask)
   assert metrics["critic/remax_baseline/mean"] == pytest.approx(0.5)
 
