@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import numpy as np
 
 from jalign import sampling
@@ -61,7 +62,6 @@ def static_sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pa
   calls = [0]
 
   def sample(rows: list[list[int]]):
-    import jax
     ids, mask = left_pad_ids(rows, pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.fold_in(rng, calls[0]), max_new_tokens=max_turn_tokens,
                             temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id, **kwargs)

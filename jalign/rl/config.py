@@ -137,6 +137,10 @@ class GrpoSection:
       raise ConfigError(f"config.grpo.max_gen_batches={g.max_gen_batches}: must be >= 1, and > 1 (refilling) only "
                         "with grpo.dynamic_sampling=True")
     if g.env:
+      from jalign.rl.env import REGISTRY as ENVIRONMENTS
+      if g.env not in ENVIRONMENTS:
+        raise ConfigError(f"config.grpo.env={g.env!r}: unknown environment; registered: "
+                          f"{', '.join(sorted(ENVIRONMENTS))}")
       if g.buffer:
         raise ConfigError("config.grpo.env: environments run online; a replay buffer (grpo.buffer) holds no episodes")
       if g.adv_estimator == "remax":

@@ -37,7 +37,6 @@ class RolloutStage:
       if metric is None:
         raise ConfigError(f"config.grpo.env={g.env!r} scores final answers with a verifiable reward; reward.weights "
                           f"has none (accepted: {', '.join(sorted(NEEDS_GROUND_TRUTH))})")
-      env_lib.make(g.env, reward=metric)  # unknown names fail here, before any sampling
       self.make_env = functools.partial(env_lib.make, g.env, reward=metric, fmt=g.env_tool_format,
                                         max_turns=g.env_max_turns)
       self.max_tokens = min(g.env_max_tokens or context, context)
