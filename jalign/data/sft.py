@@ -2,7 +2,8 @@
 
 Accepted records (TRL's layouts): `{"messages": [{"role", "content"}, ...]}` (loss on every assistant turn, including
 its end-of-turn token), or `{"prompt", "completion"}` as strings (plain concatenation, loss on the completion and
-eos) or as message lists (chat template; loss on the completion messages).
+eos) or as message lists (chat template; loss on the completion messages). A record's `tools` (a list of JSON
+schemas, TRL's column) goes to the chat template's tool section.
 """
 from __future__ import annotations
 
@@ -35,18 +36,20 @@ def _check_text(value, key: str) -> str:
   return value
 
 
-def _template_spans(tok: Tokenizer, messages: list[dict], trained_from: int) -> tuple[str, list[tuple[int, int]]]:
+def _template_spans(tok: Tokenizer, messages: list[dict], trained_from: int,
+                    **render_kwargs) -> tuple[str, list[tuple[int, int]]]:
   """Rendered text and the character spans of assistant messages from index `trained_from` on.
 
   A span runs from the end of the conversation rendered up to the message with the generation prompt, to the end of
   the conversation rendered through the message (so the end-of-turn token is learned)."""
-  text = tok.render_chat(messages)
+  render = lambda m, **kw: tok.render_chat(m, **render_kwargs, **kw)  # noqa: E731
+  text = render(messages)
   spans = []
   for i, m in enumerate(messages):
     if m["role"] != "assistant" or i < trained_from:
       continue
-    before = tok.render_chat(messages[:i], add_generation_prompt=True) if i else ""
-    through = tok.render_chat(messages[: i + 1])
+    before = render(messages[:i], add_generation_prompt=True) if i else ""
+    through = render(messages[: i + 1])
     if not text.startswith(through) or not through.startswith(before):
       raise DataError("the chat template does not render conversations incrementally (a prefix of the "
                       "conversation renders differently), so assistant tokens cannot be located")
@@ -67,6 +70,10 @@ def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "
   """{"tokens": int32[n], "loss_mask": int32[n]} with n <= max_length; raises DataError on a malformed record."""
   if not isinstance(record, dict):
     raise DataError(f"expected an object, found {type(record).__name__}")
+  tools = record.get("tools")
+  if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+    raise DataError(f"field 'tools' must be a list of JSON schema objects, found {str(tools)[:80]!r}")
+  kwargs = {"tools": tools} if tools else {}
   try:
     if "messages" in record:
       messages = _check_messages(record["messages"], "messages")
@@ -75,13 +82,13 @@ def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "
       for i, m in enumerate(messages):
         if m["role"] == "assistant" and not m["content"].strip():
           raise DataError(f"messages[{i}] (assistant) has empty content")
-      text, spans = _template_spans(tok, messages, 0)
+      text, spans = _template_spans(tok, messages, 0, **kwargs)
       ids, mask = _tokens_with_mask(tok, text, spans)
     elif "prompt" in record and "completion" in record:
       prompt, completion = record["prompt"], record["completion"]
       if isinstance(prompt, list) or isinstance(completion, list):
         messages = _check_messages(prompt, "prompt") + _check_messages(completion, "completion")
-        text, spans = _template_spans(tok, messages, len(prompt))
+        text, spans = _template_spans(tok, messages, len(prompt), **kwargs)
         ids, mask = _tokens_with_mask(tok, text, spans)
       else:
         p = tok.encode(_check_text(prompt, "prompt"), add_special_tokens=True)

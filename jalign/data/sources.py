@@ -327,12 +327,13 @@ def _open(spec: str) -> Any:
     body, _, data_dir = spec[len("tfds:"):].partition("@")
     name, _, split = body.partition(":")
     return TfdsSource(name, split or "train", data_dir or None)
-  if spec.startswith("synthetic:"):  # synthetic:arith[:SPLIT[:N]]
+  if spec.startswith("synthetic:"):  # synthetic:TASK[:SPLIT[:N]]
     task, split, n = (spec[len("synthetic:"):].split(":") + ["", ""])[:3]
-    if task != "arith" or not (n.isdigit() or not n):
-      raise DataError(f"data spec {spec!r}: accepted synthetic:arith[:SPLIT[:N]] (N a count)")
+    if task not in synthetic.TASKS or not (n.isdigit() or not n):
+      raise DataError(f"data spec {spec!r}: accepted synthetic:TASK[:SPLIT[:N]], TASK one of "
+                      f"{', '.join(synthetic.TASKS)} (N a count)")
     split = split or "train"
-    return ListSource(synthetic.records(split, int(n) if n else None), name=f"synthetic:arith:{split}")
+    return ListSource(synthetic.TASKS[task](split, int(n) if n else None), name=f"synthetic:{task}:{split}")
   sources = []
   for part in spec.split(","):
     files = sorted(glob.glob(part.strip())) if any(c in part for c in "*?[") else [part.strip()]

@@ -1,4 +1,5 @@
-"""Built-in verifiable task: two-number arithmetic in words and digits, with its tokenizer.
+"""Built-in verifiable tasks, with their tokenizer: two-number arithmetic (`arith`), and 4-digit multiplication
+(`mul`, the tool-use task: see `mul_records`).
 
 Prompts look like "What is 37 + 48?"; the assistant answers "#### 85" (the GSM8K answer convention, so the
 "gsm8k" reward of `jalign.rl.rewards` scores it). Half the problems have a one-digit second operand (easy), half two
@@ -54,6 +55,33 @@ def records(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
     out.append({"prompt": prompt, "answer": answer,
                 "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"#### {answer}"}]})
   return out
+
+
+MUL_DIGITS = 4
+MUL_SPLITS = {"train": 20_000, "test": 500}
+
+
+def mul_records(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+  """The tool task: products of two 4-digit numbers, far past what the tiny policy computes, exact with a
+  calculator. Records with `prompt`, `answer`, `expression` (the calculator's input) and `messages` (a direct
+  answer). Held out as `records` holds out: a CRC32 tenth of the operand pairs."""
+  if split not in MUL_SPLITS:
+    raise DataError(f"synthetic mul split {split!r}; accepted: {', '.join(MUL_SPLITS)}")
+  n = n or MUL_SPLITS[split]
+  rng = np.random.RandomState(seed + (1 if split == "train" else 10_009))
+  low, high = 10 ** (MUL_DIGITS - 1), 10 ** MUL_DIGITS
+  out = []
+  while len(out) < n:
+    a, b = (int(x) for x in rng.randint(low, high, size=2))
+    if _is_test(a, b, "*") != (split == "test"):
+      continue
+    prompt, answer = f"What is {a} * {b}?", str(a * b)
+    out.append({"prompt": prompt, "answer": answer, "expression": f"{a}*{b}",
+                "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"#### {answer}"}]})
+  return out
+
+
+TASKS = {"arith": records, "mul": mul_records}
 
 
 CHAT_TEMPLATE = (

@@ -79,7 +79,9 @@ class GrpoSection:
   # "" = one turn, scored by the whole reward section.
   env: str = ""
   env_max_turns: int = bounded(4, gt=0)
-  env_tool_format: Literal["hermes", "llama3", "mistral"] = "hermes"   # how the model writes tool calls
+  # How the model writes tool calls: hermes (Qwen), llama3 (JSON), mistral ([TOOL_CALLS]), compact (<<argument>>,
+  # one tool with one argument: for small models and short contexts)
+  env_tool_format: Literal["hermes", "llama3", "mistral", "compact"] = "hermes"
   env_max_tokens: int = bounded(0, ge=0)  # an episode's token budget, prompt included; 0 = the model's context
 
   @property

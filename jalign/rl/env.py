@@ -65,6 +65,8 @@ class ToolEnv(Env):
       raise ConfigError(f"tool call format {fmt!r}; accepted: {', '.join(tools_lib.FORMATS)}")
     if max_turns < 1:
       raise ConfigError(f"environment max_turns={max_turns}: must be >= 1")
+    if fmt == "compact" and tools:
+      tools_lib.only_argument(tools)
     self.tools, self.reward_name, self.fmt = tools, reward, fmt
     self.max_turns, self.max_chars = max_turns, max_chars
 
@@ -82,8 +84,8 @@ class ToolEnv(Env):
 
   def step(self, action_text: str) -> Step:
     self.turn += 1
-    try:
-      calls = tools_lib.parse_calls(action_text, self.fmt)
+    try:  # without tools every turn is the answer (a call written anyway is scored as one)
+      calls = tools_lib.parse_calls(action_text, self.fmt, self.tools) if self.tools else []
     except tools_lib.ToolError as e:
       self.errors += 1
       observation = [{"role": "tool", "content": f"error: {e}"}]
@@ -103,7 +105,12 @@ class ToolEnv(Env):
 
 
 def tool_instructions(schemas: list[dict], fmt: str) -> str:
-  """A system message that shows tools to a model whose chat template has no tool section (Llama 3.0's, ...)."""
+  """A system message that shows tools to a model whose chat template has no tool section (Llama 3.0's, ...). The
+  compact format's is one short line (`calculator: <<expression>>`): it is meant for models trained on its calls."""
+  if fmt == "compact":
+    (schema,) = schemas
+    (arg,) = schema["function"]["parameters"]["required"]
+    return f"{schema['function']['name']}: <<{arg}>>"
   example = {"name": "NAME", "arguments": {"ARGUMENT": "VALUE"}}
   call = {"hermes": f"<tool_call>\n{json.dumps(example)}\n</tool_call>",
           "mistral": f"[TOOL_CALLS] [{json.dumps(example)}]",
@@ -114,11 +121,15 @@ def tool_instructions(schemas: list[dict], fmt: str) -> str:
           "done.")
 
 
+def has_tools(env: Env) -> bool:
+  return isinstance(env, ToolEnv) and bool(env.tools)
+
+
 def with_tools(tok, messages: list[dict], env: Env) -> tuple[list[dict], dict]:
   """(messages, render_chat keyword arguments) that show `env`'s tools to the model (none for an environment without
   tools): through the chat template's own tool section where it has one, else as a system message (merged into the
   first one if there is one)."""
-  if not isinstance(env, ToolEnv) or not env.tools:
+  if not has_tools(env):
     return messages, {}
   schemas = env.schemas()
   if tok.render_chat(messages, add_generation_prompt=True, tools=schemas) != \

@@ -39,6 +39,7 @@ class RolloutStage:
                           f"has none (accepted: {', '.join(sorted(NEEDS_GROUND_TRUTH))})")
       self.make_env = functools.partial(env_lib.make, g.env, reward=metric, fmt=g.env_tool_format,
                                         max_turns=g.env_max_turns)
+      self.make_answer_env = functools.partial(env_lib.make, "answer", reward=metric)
       self.max_tokens = min(g.env_max_tokens or context, context)
 
   def __len__(self) -> int:
@@ -81,6 +82,23 @@ class RolloutStage:
     pad = lambda a, value=0: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)  # noqa: E731
     return Groups(prompts, n, pad(out.response, tok.pad_id), out.lengths, out.rewards, None, None, None,
                   pad(out.logprobs), pad(out.loss_mask), out.counts())
+
+
+  def episode_accuracies(self, lm, records: list[dict], key, batch_size: int = 256) -> dict:
+    """Greedy held-out accuracy of whole episodes (eval/accuracy) and, when the environment has tools, of one answer
+    to the same records without them (eval/accuracy_no_tools): the gain the tools bring."""
+    s, tok = self.spec, self.tok
+    sample = agent.static_sampler(lm, tok, key, max_turn_tokens=s.max_new_tokens, temperature=0.0, pad_id=tok.pad_id,
+                                  mesh=self.mesh, rules=self.rules)
+    envs = {"eval/accuracy": self.make_env}
+    if env_lib.has_tools(self.make_env()):
+      envs["eval/accuracy_no_tools"] = self.make_answer_env
+    out = {}
+    for name, make in envs.items():
+      rewards = [agent.rollout(make, tok, records[i:i + batch_size], 1, sample, max_turn_tokens=s.max_new_tokens,
+                               max_tokens=self.max_tokens).rewards for i in range(0, len(records), batch_size)]
+      out[name] = float(np.mean(np.concatenate(rewards))) if rewards else 0.0
+    return out
 
 
 def update_rows(groups: Groups, pad_id: int) -> dict:

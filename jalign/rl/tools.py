@@ -3,7 +3,9 @@ templates render in their tool section), parsing of tool calls out of sampled te
 ask for, and running a call so that nothing it does (bad arguments, an exception, too much output) ends the episode
 or the run: every failure comes back as an error observation the model can read.
 
-Built in: `calculator`, exact arithmetic on integers and decimals (parsed with `ast`, never evaluated as Python).
+Built in: `calculator`, exact arithmetic on integers and decimals (parsed with `ast`, never evaluated as Python), and
+`python`, code run in a sandboxed interpreter (`jalign.rl.sandbox`: its own process, no network, no writes outside
+its temporary directory, time and memory limits).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import math
 import operator
 import re
+import threading
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -29,6 +32,9 @@ class Tool:
   description: str
   parameters: dict                       # JSON schema of the arguments: {"type": "object", "properties", "required"}
   fn: Callable[..., str]
+  # Seconds a call may take. An in-process tool that runs past it is abandoned (its observation says so; Python
+  # cannot stop a thread): a tool that may hang runs out of process and kills itself at its own limit, as `python`.
+  timeout_s: float = 10.0
 
   def schema(self) -> dict:
     """The OpenAI / HF `tools=` entry chat templates render."""
@@ -64,7 +70,10 @@ class ToolCall:
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 # Mistral v3+: [TOOL_CALLS] followed by a JSON list of {"name", "arguments"}.
 _MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(\[.*\])", re.S)
-FORMATS = ("hermes", "llama3", "mistral")
+# Compact, for small models and short contexts: <<ARGUMENT>> calls the only tool with its only argument (GSM8K's
+# calculator annotations are written so: Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems").
+_COMPACT = re.compile(r"<<(.*?)>>", re.S)
+FORMATS = ("hermes", "llama3", "mistral", "compact")
 
 
 def _call(obj: Any, where: str) -> ToolCall:
@@ -88,9 +97,23 @@ def _json(text: str, where: str) -> Any:
     raise ToolError(f"{where}: not valid JSON ({e.msg} at character {e.pos})") from None
 
 
-def parse_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
+def only_argument(tools: dict[str, Tool]) -> tuple[str, str]:
+  """(tool name, argument name) of the one tool with one argument the compact format can call."""
+  params = [(n, t.parameters.get("required", [])) for n, t in tools.items()]
+  if len(params) != 1 or len(params[0][1]) != 1:
+    raise ConfigError(f"tool call format 'compact' calls one tool with one required argument; the tools are "
+                      f"{', '.join(f'{n}({a})' for n, a in params) or 'none'}")
+  return params[0][0], params[0][1][0]
+
+
+def parse_calls(text: str, fmt: str = "hermes", tools: dict[str, Tool] | None = None) -> list[ToolCall]:
   """The tool calls in a completion (none: an answer, not a call). A call that is there but malformed raises
-  ToolError, whose message is the observation to send back."""
+  ToolError, whose message is the observation to send back. The compact format needs `tools` (its one tool)."""
+  if fmt == "compact":
+    name, arg = only_argument(tools or {})
+    if "<<" in text and not _COMPACT.search(text):
+      raise ToolError("tool call: << is not closed by >>")
+    return [ToolCall(name, {arg: body.strip()}) for body in _COMPACT.findall(text)]
   if fmt == "hermes":
     blocks = _HERMES.findall(text)
     if not blocks and "<tool_call>" in text:
@@ -114,6 +137,20 @@ def parse_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
   raise ConfigError(f"tool call format {fmt!r}; accepted: {', '.join(FORMATS)}")
 
 
+def format_call(call: ToolCall, fmt: str) -> str:
+  """The text a model writes for `call` in format `fmt` (parse_calls reads it back)."""
+  if fmt == "hermes":
+    return f"<tool_call>\n{json.dumps({'name': call.name, 'arguments': call.arguments})}\n</tool_call>"
+  if fmt == "mistral":
+    return f"[TOOL_CALLS] {json.dumps([{'name': call.name, 'arguments': call.arguments}])}"
+  if fmt == "llama3":
+    return json.dumps({"name": call.name, "parameters": call.arguments})
+  if fmt == "compact":
+    (value,) = call.arguments.values()
+    return f"<<{value}>>"
+  raise ConfigError(f"tool call format {fmt!r}; accepted: {', '.join(FORMATS)}")
+
+
 # --- running ------------------------------------------------------------------------------------------------------
 
 _TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
@@ -134,6 +171,26 @@ def check_arguments(tool: Tool, args: dict) -> None:
                       f"{type(value).__name__}")
 
 
+def _call_with_timeout(tool: Tool, args: dict) -> str:
+  result: list = []
+
+  def target():
+    try:
+      result.append(("ok", str(tool.fn(**args))))
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+      result.append(("raised", e))
+
+  worker = threading.Thread(target=target, daemon=True, name=f"tool-{tool.name}")
+  worker.start()
+  worker.join(tool.timeout_s)
+  if worker.is_alive():
+    raise ToolError(f"{tool.name}: no result after {tool.timeout_s:g} s (timed out)")
+  kind, value = result[0]
+  if kind == "raised":
+    raise value
+  return value
+
+
 def run(call: ToolCall, tools: dict[str, Tool], *, max_chars: int = 2000) -> tuple[str, bool]:
   """(observation text, ok). Unknown tools, bad arguments and exceptions become error observations; output past
   `max_chars` is cut, saying so."""
@@ -142,7 +199,7 @@ def run(call: ToolCall, tools: dict[str, Tool], *, max_chars: int = 2000) -> tup
     if tool is None:
       raise ToolError(f"unknown tool {call.name!r}; available: {', '.join(sorted(tools))}")
     check_arguments(tool, call.arguments)
-    out, ok = str(tool.fn(**call.arguments)), True
+    out, ok = _call_with_timeout(tool, call.arguments), True
   except ToolError as e:
     out, ok = f"error: {e}", False
   except Exception as e:  # noqa: BLE001 - a tool's own failure is the model's observation, never the run's crash
@@ -222,3 +279,24 @@ register(Tool("calculator", "Evaluate an arithmetic expression exactly (integers
                                                                "for example (1234 * 5678) + 9"}},
                "required": ["expression"]},
               calculate))
+
+
+def python(code: str) -> str:
+  """Runs `code` in the sandbox; its printed output (and the traceback's last frames if it raised) is the result."""
+  from jalign.rl import sandbox
+  try:
+    text, status = sandbox.run_python(code, timeout_s=PYTHON_TIMEOUT_S)
+  except sandbox.SandboxTimeout as e:
+    raise ToolError(f"python: {e} (the limit is {PYTHON_TIMEOUT_S:g} s)") from None
+  if status != 0:
+    return f"{text}\n[exit status {status}]" if text else f"[exit status {status}]"
+  return text or "[no output: print the result]"
+
+
+PYTHON_TIMEOUT_S = 5.0
+register(Tool("python", "Run Python 3 code in a sandbox (no network, no files outside its working directory, "
+              f"{PYTHON_TIMEOUT_S:g} s); returns what it prints.",
+              {"type": "object", "properties": {"code": {"type": "string", "description": "the program; print the "
+                                                         "result"}},
+               "required": ["code"]},
+              python, timeout_s=PYTHON_TIMEOUT_S + 5))

@@ -63,6 +63,7 @@ class GrpoTask(loop.Task):
       eval_source = open_source(g.eval_prompts, cfg.data.fields())
       self.eval_prompts = [self.stage.encode(eval_source[i], index=i, where=eval_source.where(i))
                            for i in range(min(len(eval_source), g.eval_examples))]
+      self.eval_records = [eval_source[i] for i in range(min(len(eval_source), g.eval_examples))]
 
     self.rows = g.prompts_per_step * s.num_samples
     # Mini-batches are drawn as whole groups (each prompt's samples together, in order, as verl splits its rollout),
@@ -99,7 +100,7 @@ class GrpoTask(loop.Task):
     self.kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
     self.key = jax.random.key(cfg.seed)
     self.monitors = Monitors(entropy_floor=g.entropy_floor, no_signal_warn_steps=g.no_signal_warn_steps)
-    self.initial_acc = None
+    self.initial_acc, self.initial = None, {}
     self.step = 0
     self.last: dict = {}
     self.iterator = _prompt_iterator(cfg, len(self.stage))
@@ -149,28 +150,45 @@ class GrpoTask(loop.Task):
     if not self.eval_prompts:
       return
     on_device = parallel.in_memory(self.reference, "device") if self.cfg.model.offload_reference else self.reference
-    self.initial_acc = accuracy(self._policy(on_device), self.setup.tok, self.eval_prompts, self.metric,
-                                self.cfg.sampling.max_new_tokens)
+    self.initial = self._accuracies(self._policy(on_device))
     del on_device
-    self.say(f"held-out {self.metric} accuracy of the initial policy: {self.initial_acc:.4f}")
-    self.log.write(start, {"eval/accuracy": self.initial_acc})
+    self.initial_acc = self.initial["eval/accuracy"]
+    self.say(f"held-out {self.metric} accuracy of the initial policy: {self._describe(self.initial)}")
+    self.log.write(start, self.initial)
     self.monitors.after_eval(start, self.initial_acc, len(self.eval_prompts))
+
+  def _accuracies(self, lm) -> dict:
+    """Greedy held-out accuracy: of one answer, or of whole episodes (and then, for an environment with tools, of
+    one answer without them: eval/accuracy_no_tools)."""
+    if self.stage.make_env is None:
+      return {"eval/accuracy": accuracy(lm, self.setup.tok, self.eval_prompts, self.metric,
+                                        self.cfg.sampling.max_new_tokens)}
+    return self.stage.episode_accuracies(lm, self.eval_records, jax.random.key(self.cfg.seed))
+
+  @staticmethod
+  def _describe(accs: dict) -> str:
+    text = f"{accs['eval/accuracy']:.4f}"
+    if "eval/accuracy_no_tools" in accs:
+      text += f" with tools, {accs['eval/accuracy_no_tools']:.4f} without"
+    return text
 
   def evaluate(self, setup, params) -> dict:
     if not self.eval_prompts:
       return {}
-    acc = accuracy(self._policy(params), setup.tok, self.eval_prompts, self.metric, self.cfg.sampling.max_new_tokens)
-    signals, warnings = self.monitors.after_eval(self.step, acc, len(self.eval_prompts))
+    accs = self._accuracies(self._policy(params))
+    signals, warnings = self.monitors.after_eval(self.step, accs["eval/accuracy"], len(self.eval_prompts))
     for line in warnings:
       self.say(f"warning: {line}")
-    return {"eval/accuracy": acc, "eval/accuracy_initial": self.initial_acc, **signals}
+    return {**accs, **{f"{k}_initial": v for k, v in self.initial.items()}, **signals}
 
   def eval_message(self, step: int, metrics: dict, final: bool) -> str:
-    kl, acc = self.last.get("actor/kl_loss", 0.0), metrics["eval/accuracy"]
+    kl = self.last.get("actor/kl_loss", 0.0)
+    now = {k: metrics[k] for k in self.initial}
     if final:
-      return (f"held-out {self.metric} accuracy: {self.initial_acc:.4f} -> {acc:.4f} "
+      acc = now["eval/accuracy"]
+      return (f"held-out {self.metric} accuracy: {self._describe(self.initial)} -> {self._describe(now)} "
               f"({(acc - self.initial_acc) * 100:+.1f} points); KL to reference {kl:.4f}")
-    return f"step {step}: held-out {self.metric} accuracy {acc:.4f}  KL to reference {kl:.4f}"
+    return f"step {step}: held-out {self.metric} accuracy {self._describe(now)}  KL to reference {kl:.4f}"
 
   def train_step(self, state, step: int):
     cfg, g, n = self.cfg, self.cfg.grpo, self.spec.num_samples

@@ -47,8 +47,30 @@ def test_tool_calls_parsed_in_each_templates_format():
   assert tools.parse_calls(llama, "llama3") == [tools.ToolCall(**call)]
   as_string = json.dumps({"name": "calculator", "arguments": json.dumps({"expression": "1"})})
   assert tools.parse_calls(as_string, "llama3")[0].arguments == {"expression": "1"}
+  calculator = tools.get(["calculator"])
+  assert tools.parse_calls("<<1234*5678>> and <<2 + 2>>", "compact", calculator) == \
+      [tools.ToolCall("calculator", {"expression": "1234*5678"}), tools.ToolCall("calculator", {"expression": "2 + 2"})]
   for fmt in tools.FORMATS:
-    assert tools.parse_calls("The answer is 4.\n#### 4", fmt) == []
+    assert tools.parse_calls("The answer is 4.\n#### 4", fmt, calculator) == []
+
+
+@pytest.mark.parametrize("fmt", tools.FORMATS)
+def test_written_calls_parse_back(fmt):
+  calculator = tools.get(["calculator"])
+  call = tools.ToolCall("calculator", {"expression": "(12 + 3) * 4"})
+  assert tools.parse_calls(tools.format_call(call, fmt), fmt, calculator) == [call]
+
+
+def test_the_compact_format_needs_one_tool_with_one_argument():
+  with pytest.raises(ConfigError, match="one tool with one required argument; the tools are calculator"):
+    env_lib.ToolEnv(tools.get(["calculator", "python"]), fmt="compact")
+  with pytest.raises(tools.ToolError, match="not closed"):
+    tools.parse_calls("<<1 + 2", "compact", tools.get(["calculator"]))
+  env = env_lib.make("calculator", fmt="compact")
+  env.reset({"prompt": "What is 1234 * 5678?", "answer": "7006652"})
+  step = env.step("<<1234*5678>>")
+  assert step.observation == [{"role": "tool", "name": "calculator", "content": "7006652"}] and not step.done
+  assert env.step("#### 7006652").reward == 1.0
 
 
 @pytest.mark.parametrize("text, fmt, message", [
