@@ -92,7 +92,7 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
       ep, env, length = episodes[k], envs[k], int(lengths[row])
       new = [int(t) for t in tokens[row, :length]]
       ended = length > 0 and new[-1] == tok.eos_id
-      content = tok.decode(new[:-1] if ended else new)
+      content = tok.decode(new[:-1] if ended else new, skip_special_tokens=False)  # [TOOL_CALLS] etc. are content
       ep.add_model_turn(new, content)
       logps[k] += [float(x) for x in logprobs[row, :length]]
       if not ended:  # out of tokens mid-turn: the template would close a turn the model never closed
@@ -105,6 +105,8 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
         continue
       before = len(ep.ids)
       try:
+        if step.action_message is not None:
+          ep.set_model_message(step.action_message)
         ep.add_observation(step.observation)
       except EpisodeError:  # the template would rewrite the model's turn: the episode cannot go on token for token
         infos[k] = {**step.info, "truncated": True, "rewritten": True}

@@ -27,6 +27,9 @@ class Step:
   reward: float                # this turn's reward (a final answer's score; 0 for intermediate turns)
   done: bool
   info: dict = dataclasses.field(default_factory=dict)
+  # How the model's turn is written into the conversation when not as its text: Mistral's template renders tool
+  # calls from a message's `tool_calls` (with their ids), not from its content.
+  action_message: dict | None = None
 
 
 class Env:
@@ -88,20 +91,25 @@ class ToolEnv(Env):
       calls = tools_lib.parse_calls(action_text, self.fmt, self.tools) if self.tools else []
     except tools_lib.ToolError as e:
       self.errors += 1
-      observation = [{"role": "tool", "content": f"error: {e}"}]
+      observation, action = [{"role": "tool", "content": f"error: {e}", "tool_call_id": "error0000"}], None
     else:
       if not calls:  # the final answer
         score = REWARDS[self.reward_name](Batch([action_text], [self.truth], np.asarray([len(action_text)])))
         return Step([], float(score[0]), True, self.info(truncated=False))
-      observation = []
+      observation, structured = [], []
       for call in calls:
         out, ok = tools_lib.run(call, self.tools, max_chars=self.max_chars)
         self.calls += 1
         self.errors += not ok
-        observation.append({"role": "tool", "name": call.name, "content": out})
+        # Templates that pair results with calls (Mistral's: 9 letters or digits) read tool_call_id; others ignore it.
+        call_id = call.id or f"call{self.calls:05d}"
+        observation.append({"role": "tool", "name": call.name, "content": out, "tool_call_id": call_id})
+        structured.append({"id": call_id, "type": "function",
+                           "function": {"name": call.name, "arguments": json.dumps(call.arguments)}})
+      action = {"role": "assistant", "content": "", "tool_calls": structured} if self.fmt == "mistral" else None
     if self.turn >= self.max_turns:
       return Step([], 0.0, True, self.info(truncated=True))
-    return Step(observation, 0.0, False, self.info(truncated=False))
+    return Step(observation, 0.0, False, self.info(truncated=False), action)
 
 
 def tool_instructions(schemas: list[dict], fmt: str) -> str:

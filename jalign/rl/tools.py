@@ -62,6 +62,7 @@ def get(names) -> dict[str, Tool]:
 class ToolCall:
   name: str
   arguments: dict
+  id: str = ""      # the call id the model wrote (Mistral's 9-character ids), if any
 
 
 # --- parsing ------------------------------------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def _call(obj: Any, where: str) -> ToolCall:
       raise ToolError(f"{where}: the arguments of {obj['name']!r} are not valid JSON ({e.msg})") from None
   if not isinstance(args, dict):
     raise ToolError(f"{where}: the arguments of {obj['name']!r} must be a JSON object")
-  return ToolCall(obj["name"], args)
+  return ToolCall(obj["name"], args, obj["id"] if isinstance(obj.get("id"), str) else "")
 
 
 def _json(text: str, where: str) -> Any:

@@ -69,7 +69,8 @@ def test_the_compact_format_needs_one_tool_with_one_argument():
   env = env_lib.make("calculator", fmt="compact")
   env.reset({"prompt": "What is 1234 * 5678?", "answer": "7006652"})
   step = env.step("<<1234*5678>>")
-  assert step.observation == [{"role": "tool", "name": "calculator", "content": "7006652"}] and not step.done
+  assert not step.done
+  assert step.observation == [{"role": "tool", "name": "calculator", "content": "7006652", "tool_call_id": "call00001"}]
   assert env.step("#### 7006652").reward == 1.0
 
 
@@ -118,8 +119,8 @@ def test_calculator_episode():
   record = {"prompt": "What is 1234 * 5678?", "answer": "7006652"}
   assert env.reset(record) == [{"role": "user", "content": "What is 1234 * 5678?"}]
   step = env.step("I will use the calculator.\n" + _call("1234 * 5678"))
-  assert not step.done and step.reward == 0.0
-  assert step.observation == [{"role": "tool", "name": "calculator", "content": "7006652"}]
+  assert not step.done and step.reward == 0.0 and step.action_message is None  # hermes calls stay as written
+  assert step.observation == [{"role": "tool", "name": "calculator", "content": "7006652", "tool_call_id": "call00001"}]
   step = env.step("<tool_call>{oops</tool_call>")
   assert not step.done and step.observation[0]["content"].startswith("error: tool call: not valid JSON")
   step = env.step("1234 * 5678 = 7006652.\n#### 7006652")
@@ -210,3 +211,50 @@ def test_episode_refuses_a_turn_the_template_would_rewrite():
   episode.add_model_turn(tok.encode(text, add_special_tokens=False) + [tok.tk.token_to_id("<|eot_id|>")], text)
   with pytest.raises(EpisodeError, match="renders the conversation so far differently"):
     episode.add_observation([{"role": "tool", "content": "4"}])
+
+
+MISTRAL = {"v3": ("tokenizers/mistral/mistral_instruct_tokenizer_240323.model.v3",
+                  "tokenizers/mistral/chat_template_v3_spm.jinja"),
+           "v7": ("tokenizers/mistral/mistral_instruct_tokenizer_241114.model.v7",
+                  "tokenizers/mistral/chat_template_v7_spm.jinja")}
+
+
+@pytest.mark.parametrize("version", sorted(MISTRAL))
+def test_mistral_episodes_are_token_exact(version, tmp_path):
+  """Mistral's real templates (SentencePiece models v3 and v7): the tools go into [AVAILABLE_TOOLS]; the model's
+  [TOOL_CALLS] turn (as the template renders a call, so as a model trained on it samples it) is parsed, kept as
+  sampled, and written back as the structured call the template renders (its id paired with the result's); the
+  answer's leading space is the template's. The episode's ids equal the rendering of the whole conversation."""
+  import shutil
+  from jalign.rl.episode import Episode
+  model, template = MISTRAL[version]
+  shutil.copyfile(path(model), tmp_path / "tokenizer.model")
+  shutil.copyfile(path(template), tmp_path / "chat_template.jinja")
+  tok = tokenizer.load(str(tmp_path))
+  env = env_lib.make("calculator", fmt="mistral", max_turns=4)
+  messages, kwargs = env_lib.with_tools(tok, env.reset({"prompt": "What is 1234 * 5678?", "answer": "7006652"}), env)
+  assert "tools" in kwargs and messages[0]["role"] == "user"
+  episode = Episode(tok, messages, **kwargs)
+  assert "[AVAILABLE_TOOLS]" in episode.text and '"calculator"' in episode.text
+  call = {"role": "assistant", "content": "", "tool_calls": [
+      {"id": "a1b2c3d4e", "type": "function",
+       "function": {"name": "calculator", "arguments": json.dumps({"expression": "1234 * 5678"})}}]}
+  model_ids = []
+  for turn in [call, {"role": "assistant", "content": "#### 7006652"}]:
+    rendered = tok.encode(tok.render_chat(episode.messages + [turn], **kwargs), add_special_tokens=False)
+    ids = rendered[len(episode.ids):]
+    ids = ids[:ids.index(tok.eos_id) + 1]  # what the model samples: the turn through its </s>
+    model_ids.append(ids)
+    content = tok.decode(ids[:-1], skip_special_tokens=False)
+    episode.add_model_turn(ids, content)
+    step = env.step(content)
+    if step.done:
+      break
+    assert step.observation[0]["tool_call_id"] == "a1b2c3d4e" and step.observation[0]["content"] == "7006652"
+    episode.set_model_message(step.action_message)
+    episode.add_observation(step.observation)
+    assert "[TOOL_RESULTS]" in episode.text and "a1b2c3d4e" in episode.text
+  assert step.done and step.reward == 1.0 and step.info["tool_calls"] == 1
+  whole = tok.encode(tok.render_chat(episode.messages, **kwargs), add_special_tokens=False)
+  assert episode.ids == whole
+  assert [i for i, m in zip(episode.ids, episode.loss_mask) if m] == [i for ids in model_ids for i in ids]
