@@ -29,7 +29,7 @@ def _data(name, tmp_path):
     return dict(data__train=f"{gsm8k}[:64]", data__eval=f"{gsm8k}[-16:]")
   # 16 new tokens rarely reach an answer, so the groups carry no signal: run the update anyway (no_signal=update),
   # so the smoke run goes through every part of a step
-  if name == "gsm8k_grpo":
+  if name in ("gsm8k_grpo", "gsm8k_tools"):
     return dict(grpo__prompts=f"{gsm8k}[:64]", grpo__eval_prompts=f"{gsm8k}[-8:]", grpo__no_signal="update")
   if name == "math_grpo":
     path = tmp_path / "math.jsonl"
@@ -49,7 +49,7 @@ def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path):  # noqa: F811
   tokenizer and chat template included."""
   model_dir, _ = smollm2_hf
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  for name in ("gsm8k_sft", "gsm8k_grpo", "math_grpo", "hh_rm", "hh_dpo"):
+  for name in ("gsm8k_sft", "gsm8k_grpo", "gsm8k_tools", "math_grpo", "hh_rm", "hh_dpo"):
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/recipes/{name}.py:smoke",
            f"--config.model.path={realdata.path(realdata.SMOLLM2_GGUF) if name == 'hh_dpo' else model_dir}",
@@ -60,16 +60,19 @@ def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path):  # noqa: F811
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     losses = [r[k] for r in rows for k in ("train/loss", "actor/pg_loss") if k in r]
     assert losses and all(math.isfinite(v) for v in losses), name
-    if "grpo" in name:
+    if "grpo" in name or "tools" in name:
       assert all("actor/no_signal" in r for r in rows if "actor/pg_loss" in r) and len(losses) == 2, name
       assert any("eval/accuracy" in r for r in rows), name
+    if name == "gsm8k_tools":  # episodes of the calculator environment, scored with and without the tool
+      assert all("agent/turns/mean" in r and "agent/truncated_fraction" in r for r in rows if "actor/pg_loss" in r)
+      assert any("eval/accuracy_no_tools" in r for r in rows)
     else:
       assert len(losses) == 2 and any("eval/loss" in r for r in rows), name
     assert os.path.exists(run_dir / "hf" / "config.json") and os.path.exists(run_dir / "hf" / "tokenizer.json"), name
 
 
 def test_recipes_reject_unknown_args():
-  for name in ("gsm8k_sft", "gsm8k_grpo", "math_grpo", "hh_rm", "hh_dpo"):
+  for name in ("gsm8k_sft", "gsm8k_grpo", "gsm8k_tools", "math_grpo", "hh_rm", "hh_dpo"):
     with pytest.raises(ValueError, match="unknown"):
       run_config(f"recipes/{name}", "huge")
   for variant in ("drgrpo", "dapo", "dapo,smoke"):

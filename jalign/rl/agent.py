@@ -129,7 +129,8 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
     loss_mask[k, :len(r)] = e.response_mask
     logprobs[k, :len(r)] = logps[k]
     lengths[k] = len(r)
-  infos = [{"turns": 0, "tool_calls": 0, "tool_errors": 0, "truncated": False, "rewritten": False, **i}
-           for i in infos]
+  # turns: the model turns sampled, a turn cut off by its token budget included
+  infos = [{"tool_calls": 0, "tool_errors": 0, "truncated": False, "rewritten": False, **i, "turns": e.model_turns}
+           for i, e in zip(infos, episodes)]
   return Episodes(n, [e.ids[:e.prompt_length] for e in episodes], response, lengths, loss_mask, logprobs, rewards,
                   infos, episodes)

@@ -74,9 +74,9 @@ class GrpoSection:
   # min(pi_old / pi_behaviour, cap), the stored behaviour log-probs correcting for the data's staleness. 0 = off:
   # the clipped ratio is taken against the behaviour log-probs themselves.
   tis_imp_ratio_cap: float = bounded(0.0, ge=0)
-  # Multi-turn: each sample is an episode of this environment (jalign.rl.env: "calculator", "answer"), turn by turn
-  # (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of reward.weights;
-  # "" = one turn, scored by the whole reward section.
+  # Multi-turn: each sample is an episode of this environment (jalign.rl.env: "calculator", "python", "answer"),
+  # turn by turn (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of
+  # reward.weights; "" = one turn, scored by the whole reward section.
   env: str = ""
   env_max_turns: int = bounded(4, gt=0)
   # How the model writes tool calls: hermes (Qwen), llama3 (JSON), mistral ([TOOL_CALLS]), compact (<<argument>>,

@@ -163,4 +163,5 @@ def make(name: str, **kwargs) -> Env:
 
 
 register("calculator", lambda **kw: ToolEnv(tools_lib.get(["calculator"]), **kw))
+register("python", lambda **kw: ToolEnv(tools_lib.get(["python"]), **kw))  # a sandboxed interpreter
 register("answer", lambda **kw: ToolEnv({}, **kw))  # no tools: one answer per episode (the one-turn task as an env)

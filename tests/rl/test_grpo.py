@@ -49,7 +49,7 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
     (dict(grpo__mini_batches=3), r"config.grpo.mini_batches=3 does not divide the 16 completions per step"),
     (dict(grpo__clip_high=0.1), r"config.grpo.clip_high=0.1 must be >= clip_low=0.2"),
     (dict(grpo__clip_c=0.5), r"config.grpo.clip_c=0.5: must be > 1"),
-    (dict(grpo__env="chess"), r"config.grpo.env=.chess.: unknown environment; registered: answer, calculator"),
+    (dict(grpo__env="chess"), r"config.grpo.env=.chess.: unknown environment; registered: answer, calculator, python"),
     (dict(sampling__temperature=0.0), r"GRPO needs sampled"),
     (dict(grpo__adv_estimator="ppo"), r"config.grpo.adv_estimator: 'ppo' is not accepted; accepted: 'grpo', "
                                       r"'drgrpo', 'rloo', 'gae'"),

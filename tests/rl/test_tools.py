@@ -139,7 +139,7 @@ def test_episode_ends_truncated_at_the_turn_limit():
 
 
 def test_bad_environment_settings():
-  with pytest.raises(ConfigError, match="unknown environment 'chess'; registered: answer, calculator"):
+  with pytest.raises(ConfigError, match="unknown environment 'chess'; registered: answer, calculator, python"):
     env_lib.make("chess")
   with pytest.raises(ConfigError, match="accepted verifiable rewards"):
     env_lib.make("calculator", reward="format")
