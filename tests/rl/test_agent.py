@@ -129,3 +129,50 @@ def test_update_rows_mask_the_observations():
   rows = update_rows(groups, 0)
   assert rows["response_mask"].tolist() == loss_mask.tolist()
   assert rows["segment_ids"][:, -6:].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]  # observations are read
+
+
+def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
+  """Episodes -> update rows -> PPO's advantages (rl.stage.advantages with a critic): the observations between the
+  model's turns neither bootstrap nor accumulate, so each episode's GAE equals the textbook recursion (Schulman et
+  al. 2016, NumPy here) run over its model tokens with the observations cut out, and is 0 on the observations. The
+  outcome sits on the last model token."""
+  import dataclasses as dc
+  import jax.numpy as jnp
+  from jalign.rl.config import GrpoSection
+  from jalign.rl.groups import Groups
+  from jalign.rl.stage import advantages, update_rows
+  from jalign.data.prompts import Prompt
+  tok = tokenizer.load(path("tokenizers/qwen3"))
+  answers = {RECORDS[0]["prompt"]: "7006652", RECORDS[1]["prompt"]: "9998"}
+  out = agent.rollout(lambda: env_lib.make("calculator", max_turns=3), tok, RECORDS, 2,
+                      _scripted(tok, final_answers=answers), max_turn_tokens=64, max_tokens=4096)
+  prompts = [Prompt(i, out.prompt_ids[2 * i], "", r["answer"], "x") for i, r in enumerate(RECORDS)]
+  groups = Groups(prompts, 2, out.response, out.lengths, out.rewards, loss_mask=out.loss_mask)
+  rows = update_rows(groups, tok.pad_id)
+  mask = rows["response_mask"]
+  values = np.random.RandomState(0).randn(*mask.shape).astype(np.float32)
+
+  class Critic:  # a fixed value function: the test is of the advantage path, not of the critic's training
+    def values(self, batch):
+      return jnp.asarray(values)
+
+  g = dc.replace(GrpoSection(), adv_estimator="gae", gamma=0.9, lam=0.8)
+  device_batch = {k: jnp.asarray(v) for k, v in rows.items()}
+  adv, extra, _ = advantages(g, device_batch, out.rewards, np.repeat(np.arange(2), 2), Critic(), 0.0)
+  raw = []
+  for k in range(len(out.rewards)):
+    idx = np.flatnonzero(mask[k])
+    assert len(idx) < out.lengths[k]  # the episode has observation tokens inside its response
+    r = np.zeros(len(idx))
+    r[-1] = out.rewards[k]
+    v, last, gae = values[k, idx], 0.0, np.zeros(len(idx))
+    for t in reversed(range(len(idx))):
+      next_v = v[t + 1] if t + 1 < len(idx) else 0.0
+      last = r[t] + 0.9 * next_v - v[t] + 0.9 * 0.8 * last
+      gae[t] = last
+    raw.append(gae)
+    np.testing.assert_allclose(extra["returns"][k, idx], gae + v, atol=1e-5)
+  flat = np.concatenate(raw)
+  whitened = (flat - flat.mean()) / np.sqrt(flat.var(ddof=1) + 1e-8)  # verl masked_whiten: over every model token
+  np.testing.assert_allclose(np.concatenate([adv[k, np.flatnonzero(mask[k])] for k in range(len(raw))]), whitened,
+                             atol=1e-4)
