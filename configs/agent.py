@@ -56,9 +56,9 @@ def get_config(arg=None):
   grpo.grpo.update(prompts="synthetic:mul:train", eval_prompts="synthetic:mul:test", env="calculator",
                    env_tool_format="compact", env_max_turns=3, env_max_tokens=128)
   grpo.sampling.update(max_new_tokens=16, max_prompt_length=64)
-  grpo.train.update(steps=150 if not tiny else 2, eval_every=25 if not tiny else 0)
+  grpo.train.update(steps=300 if not tiny else 2, eval_every=50 if not tiny else 0)
   grpo.optim.update(lr=1e-4, schedule="constant", warmup_steps=0)
-  grpo.checkpoint.every = 25 if not tiny else 1
+  grpo.checkpoint.every = 50 if not tiny else 1
   if not tiny:
     grpo.grpo.update(prompts_per_step=32, eval_examples=500)
   # The pipeline's own evaluation: one answer, no tools, on the held-out products.
