@@ -2,10 +2,12 @@
 episode still running are the prompts of one batched sampling call that stops at the end-of-turn token, each
 environment answers the decoded turn, and the template's observation ids are appended (`rl.episode`). An episode
 ends when its environment says so, when a turn runs out of tokens before its end-of-turn token (it cannot go on
-without re-tokenising), or when the next turn would pass the token budget; the last two are truncations, reward 0.
+without re-tokenising), or when the next turn would pass the token budget; the last two are truncations, with no
+final reward.
 
 The result is one row per episode: the response is everything after the prompt (the model's turns and the
-observations between them), the loss mask is 1 on the model's tokens only, and the log-probs are the sampler's."""
+observations between them), the loss mask is 1 on the model's tokens only, the log-probs are the sampler's, and
+each turn's reward sits on the turn's last token (the episode's return is their sum)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +36,10 @@ class Episodes:
   lengths: np.ndarray                  # [N]
   loss_mask: np.ndarray                # [N, R] 1 on the model's own tokens
   logprobs: np.ndarray                 # [N, R] the sampler's log-probs of the model's tokens, 0 elsewhere
-  rewards: np.ndarray                  # [N]
+  rewards: np.ndarray                  # [N] the episode's return: the sum of its turns' rewards
   info: list[dict]                     # [N] turns, tool_calls, tool_errors, truncated
   episodes: list[Episode]
+  token_rewards: np.ndarray            # [N, R] each turn's reward on the turn's last token (GAE's token rewards)
 
   def counts(self) -> np.ndarray:
     """[N, 4]: each episode's turns, tool calls, tool errors and whether it was truncated."""
@@ -82,6 +85,7 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
     logps.append([])
     infos.append(None)
   rewards = np.zeros(len(envs), np.float32)
+  turn_rewards = [[] for _ in envs]
   active = [k for k, e in enumerate(episodes) if len(e.ids) + max_turn_tokens <= max_tokens]
   for k in set(range(len(envs))) - set(active):
     infos[k] = envs[k].info(truncated=True)
@@ -98,16 +102,20 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
       if not ended:  # out of tokens mid-turn: the template would close a turn the model never closed
         infos[k] = env.info(truncated=True)
         continue
-      step = env.step(content)
+      step = env.step(content, new)
       infos[k] = step.info
+      rewards[k] += step.reward
+      turn_rewards[k].append((len(ep.ids) - 1 - ep.prompt_length, step.reward))  # on the turn's last token
       if step.done:
-        rewards[k] = step.reward
         continue
       before = len(ep.ids)
       try:
         if step.action_message is not None:
           ep.set_model_message(step.action_message)
-        ep.add_observation(step.observation)
+        if step.observation and all(isinstance(t, (int, np.integer)) for t in step.observation):
+          ep.add_observation_ids(step.observation)
+        else:
+          ep.add_observation(step.observation)
       except EpisodeError:  # the template would rewrite the model's turn: the episode cannot go on token for token
         infos[k] = {**step.info, "truncated": True, "rewritten": True}
         continue
@@ -121,8 +129,11 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
   response = np.zeros((len(envs), width), np.int32)
   loss_mask = np.zeros((len(envs), width), np.int32)
   logprobs = np.zeros((len(envs), width), np.float32)
+  token_rewards = np.zeros((len(envs), width), np.float32)
   lengths = np.zeros(len(envs), np.int32)
   for k, e in enumerate(episodes):
+    for at, r in turn_rewards[k]:
+      token_rewards[k, at] += r
     r = e.response_ids
     response[k, :len(r)] = r
     response[k, len(r):] = tok.pad_id
@@ -133,4 +144,4 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
   infos = [{"tool_calls": 0, "tool_errors": 0, "truncated": False, "rewritten": False, **i, "turns": e.model_turns}
            for i, e in zip(infos, episodes)]
   return Episodes(n, [e.ids[:e.prompt_length] for e in episodes], response, lengths, loss_mask, logprobs, rewards,
-                  infos, episodes)
+                  infos, episodes, token_rewards)

@@ -83,6 +83,9 @@ class GrpoSection:
   # one tool with one argument: for small models and short contexts)
   env_tool_format: Literal["hermes", "llama3", "mistral", "compact"] = "hermes"
   env_max_tokens: int = bounded(0, ge=0)  # an episode's token budget, prompt included; 0 = the model's context
+  # A turn's reward per failed tool call (malformed, unknown tool, bad arguments, an error): shaping on that turn's
+  # last token, added to the episode's return; 0 = the final answer's score alone
+  env_error_reward: float = bounded(0.0, ge=-1, le=0)
 
   @property
   def updates_per_step(self) -> int:

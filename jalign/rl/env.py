@@ -23,8 +23,10 @@ from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY as REWARDS, Batch
 
 @dataclasses.dataclass
 class Step:
-  observation: list[dict]      # messages to append before the model's next turn ([] when done)
-  reward: float                # this turn's reward (a final answer's score; 0 for intermediate turns)
+  # Before the model's next turn ([] when done): messages, which the chat template renders with the next generation
+  # prompt, or token ids, appended as they are (an environment that formats its own turns)
+  observation: list[dict] | list[int]
+  reward: float                # this turn's reward (the final answer's score; per-turn shaping otherwise)
   done: bool
   info: dict = dataclasses.field(default_factory=dict)
   # How the model's turn is written into the conversation when not as its text: Mistral's template renders tool
@@ -40,7 +42,8 @@ class Env:
     """The episode's first messages (the prompt)."""
     raise NotImplementedError
 
-  def step(self, action_text: str) -> Step:
+  def step(self, action_text: str, action_ids: list[int] | None = None) -> Step:
+    """The model's turn, as text (its stop token left out) and as the sampled ids."""
     raise NotImplementedError
 
   def info(self, **extra) -> dict:
@@ -60,7 +63,7 @@ def prompt_messages(record: dict) -> list[dict]:
 
 class ToolEnv(Env):
   def __init__(self, tools: dict[str, tools_lib.Tool], *, reward: str = "gsm8k", fmt: str = "hermes",
-               max_turns: int = 4, max_chars: int = 2000):
+               max_turns: int = 4, max_chars: int = 2000, error_reward: float = 0.0):
     if reward not in NEEDS_GROUND_TRUTH:
       raise ConfigError(f"environment reward {reward!r}; accepted verifiable rewards: "
                         f"{', '.join(sorted(NEEDS_GROUND_TRUTH))}")
@@ -72,6 +75,7 @@ class ToolEnv(Env):
       tools_lib.only_argument(tools)
     self.tools, self.reward_name, self.fmt = tools, reward, fmt
     self.max_turns, self.max_chars = max_turns, max_chars
+    self.error_reward = error_reward  # a turn's reward per failed call (malformed, unknown tool, error): shaping
 
   def schemas(self) -> list[dict]:
     """The `tools=` argument of the chat template."""
@@ -85,31 +89,34 @@ class ToolEnv(Env):
   def info(self, **extra) -> dict:
     return {"turns": self.turn, "tool_calls": self.calls, "tool_errors": self.errors, **extra}
 
-  def step(self, action_text: str) -> Step:
+  def step(self, action_text: str, action_ids: list[int] | None = None) -> Step:
     self.turn += 1
     try:  # without tools every turn is the answer (a call written anyway is scored as one)
       calls = tools_lib.parse_calls(action_text, self.fmt, self.tools) if self.tools else []
     except tools_lib.ToolError as e:
       self.errors += 1
+      failed = 1
       observation, action = [{"role": "tool", "content": f"error: {e}", "tool_call_id": "error0000"}], None
     else:
       if not calls:  # the final answer
         score = REWARDS[self.reward_name](Batch([action_text], [self.truth], np.asarray([len(action_text)])))
         return Step([], float(score[0]), True, self.info(truncated=False))
-      observation, structured = [], []
+      observation, structured, failed = [], [], 0
       for call in calls:
         out, ok = tools_lib.run(call, self.tools, max_chars=self.max_chars)
         self.calls += 1
         self.errors += not ok
+        failed += not ok
         # Templates that pair results with calls (Mistral's: 9 letters or digits) read tool_call_id; others ignore it.
         call_id = call.id or f"call{self.calls:05d}"
         observation.append({"role": "tool", "name": call.name, "content": out, "tool_call_id": call_id})
         structured.append({"id": call_id, "type": "function",
                            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}})
       action = {"role": "assistant", "content": "", "tool_calls": structured} if self.fmt == "mistral" else None
+    reward = self.error_reward * failed
     if self.turn >= self.max_turns:
-      return Step([], 0.0, True, self.info(truncated=True))
-    return Step(observation, 0.0, False, self.info(truncated=False), action)
+      return Step([], reward, True, self.info(truncated=True))
+    return Step(observation, reward, False, self.info(truncated=False), action)
 
 
 def tool_instructions(schemas: list[dict], fmt: str) -> str:

@@ -77,6 +77,14 @@ class Episode:
     self.loss_mask += [0] * len(delta)
     self.text = full
 
+  def add_observation_ids(self, ids: list[int]) -> None:
+    """An environment's own ids (its observation and the next turn's opening), appended as they are; such an
+    environment formats every turn itself (a later message observation would not render them)."""
+    ids = [int(i) for i in ids]
+    self.ids += ids
+    self.loss_mask += [0] * len(ids)
+    self.text += self.tok.decode(ids, skip_special_tokens=False)
+
   @property
   def response_ids(self) -> list[int]:
     """Everything after the prompt: model turns and observations."""

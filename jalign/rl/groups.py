@@ -27,6 +27,7 @@ class Groups:
   sampler_logp: np.ndarray | None = None   # [N, R] the sampler's log-probs of the response tokens (online)
   loss_mask: np.ndarray | None = None   # [N, R] multi-turn: 1 on the model's tokens (observations excluded)
   counts: np.ndarray | None = None      # [N, 4] multi-turn: turns, tool calls, tool errors, truncated
+  token_rewards: np.ndarray | None = None  # [N, R] multi-turn: each turn's reward on its last token
 
   def informative(self) -> np.ndarray:
     """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
@@ -52,7 +53,7 @@ class Groups:
       return np.concatenate(parts)
     return Groups([b.prompts[i] for b, i in picked], batches[0].size, cat("response"), cat("lengths"),
                   cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"), cat("sampler_logp"),
-                  cat("loss_mask"), cat("counts"))
+                  cat("loss_mask"), cat("counts"), cat("token_rewards"))
 
 
 class OfflineBuffer:

@@ -38,7 +38,7 @@ class RolloutStage:
         raise ConfigError(f"config.grpo.env={g.env!r} scores final answers with a verifiable reward; reward.weights "
                           f"has none (accepted: {', '.join(sorted(NEEDS_GROUND_TRUTH))})")
       self.make_env = functools.partial(env_lib.make, g.env, reward=metric, fmt=g.env_tool_format,
-                                        max_turns=g.env_max_turns)
+                                        max_turns=g.env_max_turns, error_reward=g.env_error_reward)
       self.make_answer_env = functools.partial(env_lib.make, "answer", reward=metric)
       self.max_tokens = min(g.env_max_tokens or context, context)
 
@@ -81,7 +81,7 @@ class RolloutStage:
     width = sampling.prompt_bucket(out.response.shape[1])  # a few update shapes, not one per longest episode
     pad = lambda a, value=0: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)  # noqa: E731
     return Groups(prompts, n, pad(out.response, tok.pad_id), out.lengths, out.rewards, None, None, None,
-                  pad(out.logprobs), pad(out.loss_mask), out.counts())
+                  pad(out.logprobs), pad(out.loss_mask), out.counts(), pad(out.token_rewards))
 
 
   def episode_accuracies(self, lm, records: list[dict], key, batch_size: int = 256) -> dict:
@@ -113,13 +113,15 @@ def update_rows(groups: Groups, pad_id: int) -> dict:
 
 
 def advantages(g: GrpoSection, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic, kl_coef: float,
-               baselines: np.ndarray | None = None):
+               baselines: np.ndarray | None = None, token_rewards: np.ndarray | None = None):
   """Host arrays: advantages [N, R], the extra batch columns (`returns`, `old_values` for a critic: an object with
   `values(batch)`) and metrics. Token rewards are the outcome on each response's last token, minus kl_coef x
   KL(old || ref) per token when the KL goes in the reward (verl `apply_kl_penalty`). `groups` [N]: each row's group
-  id; `baselines` [N]: remax's greedy-response rewards."""
+  id; `baselines` [N]: remax's greedy-response rewards; `token_rewards` [N, R]: multi-turn, each turn's reward on its
+  last token (in place of the outcome on the last token; `scores` are their sums)."""
   mask = device_batch["response_mask"].astype(jnp.float32)
-  token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(scores), mask)
+  token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(scores), mask) if token_rewards is None else \
+      jnp.asarray(token_rewards, jnp.float32)
   metrics = {}
   if g.kl_in_reward:
     kl = policy_lib.kl_penalty(device_batch["old_logp"], device_batch["ref_logp"], g.kl_kind) * mask

@@ -237,7 +237,7 @@ class GrpoTask(loop.Task):
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
     groups = np.repeat(np.arange(len(trained.prompts)), n)
     adv, extra_cols, adv_metrics = advantages(g, device_batch, trained.scores, groups, self.critic, kl_coef,
-                                              trained.baselines)
+                                              trained.baselines, trained.token_rewards)
     if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
       extra_cols["response_mask"] = response_mask * np.repeat(trained.informative(), n)[:, None]
     no_signal = not np.any((adv != 0) & (extra_cols.get("response_mask", response_mask) > 0))

@@ -176,3 +176,47 @@ def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
   whitened = (flat - flat.mean()) / np.sqrt(flat.var(ddof=1) + 1e-8)  # verl masked_whiten: over every model token
   np.testing.assert_allclose(np.concatenate([adv[k, np.flatnonzero(mask[k])] for k in range(len(raw))]), whitened,
                              atol=1e-4)
+
+
+def test_per_turn_rewards_and_environments_that_send_ids():
+  """A multi-step reward: each turn's reward sits on that turn's last token and the episode's return is their sum;
+  an environment may answer with token ids of its own (appended as they are, out of the loss)."""
+  tok = tokenizer.load(path("tokenizers/qwen3"))
+  think = tok.encode("\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+  class Counting(env_lib.Env):  # rewards each turn 0.25 x its number; three turns; observations as ids
+    def reset(self, record):
+      self.turn = 0
+      return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, action_text, action_ids=None):
+      self.turn += 1
+      assert action_ids[-1] == tok.eos_id and tok.decode(action_ids[:-1]) == action_text
+      done = self.turn == 3
+      return env_lib.Step([] if done else think, 0.25 * self.turn, done, {"turns": self.turn})
+
+  def sample(rows):
+    ids = tok.encode("ok", add_special_tokens=False) + [tok.eos_id]
+    return (np.array([ids] * len(rows), np.int32), np.full((len(rows), len(ids)), -0.5, np.float32),
+            np.array([len(ids)] * len(rows), np.int32))
+
+  out = agent.rollout(Counting, tok, RECORDS[:1], 2, sample, max_turn_tokens=8, max_tokens=512)
+  assert out.rewards.tolist() == [1.5, 1.5]
+  ends = np.flatnonzero(out.response[0] == tok.eos_id)  # the model's turns end with <|im_end|>, as do observations
+  model_ends = [e for e in ends if out.loss_mask[0, e]]
+  assert len(model_ends) == 3 and out.token_rewards[0, model_ends].tolist() == [0.25, 0.5, 0.75]
+  assert out.token_rewards[0].sum() == 1.5 and np.count_nonzero(out.token_rewards[0]) == 3
+  row = out.response[0, :out.lengths[0]].tolist()
+  ok = tok.encode("ok", add_special_tokens=False) + [tok.eos_id]
+  assert row == ok + think + ok + think + ok  # the environment's ids as it sent them, between the model's turns
+  assert out.loss_mask[0, :len(row)].tolist() == [1] * len(ok) + [0] * len(think) + [1] * len(ok) + \
+      [0] * len(think) + [1] * len(ok)
+
+
+def test_failed_calls_are_penalised_on_their_turn():
+  env = env_lib.make("calculator", reward="gsm8k", error_reward=-0.1)
+  env.reset({"prompt": "What is 2 * 3?", "answer": "6"})
+  assert env.step("<tool_call>{oops</tool_call>").reward == -0.1
+  assert env.step("<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"2*3\"}}\n</tool_call>"
+                  ).reward == 0.0
+  assert env.step("#### 6").reward == 1.0
