@@ -2,7 +2,7 @@
 tool-use traces), then GRPO trains it on whole episodes of the calculator environment. The task, 4-digit x 4-digit
 multiplication (synthetic:mul), is far past what the policy computes: the tools are the only way to be right.
 
-    python -m jalign.run --config=configs/agent.py          # minutes on 2 CPU cores
+    python -m jalign.run --config=configs/agent.py          # about 17 minutes on 2 CPU cores
     python -m jalign.run --config=configs/agent.py:tiny     # seconds, for tests
 
 Held-out accuracy is measured greedily, with tools (whole episodes: eval/accuracy) and without (one answer to the
@@ -10,6 +10,8 @@ same prompts: eval/accuracy_no_tools), before GRPO (eval/*_initial: the warm-sta
 policy, without tools, is evaluated first (run_dir/0_base). The traces are jalign/assets/agent_traces/train.jsonl
 (`python -m jalign.rl.traces`, see that module): 1,024 tool-use episodes and 256 plain answers. The calls are in the
 compact format (`<<1234*5678>>`): the policy's 128-token context has no room for JSON tool schemas.
+Measured (benchmarks/README.md): 0.0% without tools throughout; with the calculator 22.8% after SFT -> 33.2% after
+GRPO.
 """
 import importlib.util
 import os
