@@ -18,38 +18,26 @@ import os
 
 import ml_collections
 
-import jalign
-
-ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
-
-
-def _config(name: str, arg):
-  spec = importlib.util.spec_from_file_location(f"configs_{name}", os.path.join(os.path.dirname(__file__),
-                                                                                f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config(arg)
-  if "log" in c:
-    c.log.progress = False
-  return c
-
 
 def get_config(arg=None):
   if arg not in (None, "", "tiny"):
     raise ValueError(f"configs/agent.py: unknown arg {arg!r}; accepted: 'tiny' or none")
   tiny = arg == "tiny"
-  pipeline = _config("pipeline", arg)
-  c = ml_collections.ConfigDict()
-  c.task = "pipeline"
+  # The chain of stages of configs/pipeline.py (each stage a full config of its task), cut to SFT -> GRPO.
+  spec = importlib.util.spec_from_file_location("configs_pipeline", os.path.join(os.path.dirname(__file__),
+                                                                                 "pipeline.py"))
+  pipeline = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(pipeline)
+  c = pipeline.get_config(arg)
   c.run_dir = "runs/agent" if not tiny else "runs/agent_tiny"
-  c.base_model = os.path.join(ASSETS, "tiny_policy")
   c.order = ("sft", "grpo")
   c.rm_weight = 0.0
-  c.stages = ml_collections.ConfigDict({"sft": _config("sft", arg), "grpo": _config("grpo", arg)})
+  c.stages = ml_collections.ConfigDict({"sft": c.stages.sft, "grpo": c.stages.grpo})
   sft, grpo = c.stages.sft, c.stages.grpo
   # The warm start: the traces, from the shipped policy (the pipeline sets model.path), every assistant turn learned.
-  sft.data.update(train=os.path.join(ASSETS, "agent_traces", "train.jsonl"), eval="", max_length=128)
   # (tiny: the fewest steps after which the policy calls the tool, so that the tests run the tool path)
+  sft.data.update(train=os.path.join(os.path.dirname(c.base_model), "agent_traces", "train.jsonl"), eval="",
+                  max_length=128)
   sft.train.update(steps=800 if not tiny else 60, batch_size=16 if not tiny else 8, seq_len=128, eval_every=0,
                    eval_examples=0, eval_batches=0)
   sft.optim.update(lr=2e-3 if not tiny else 3e-3, warmup_steps=20 if not tiny else 0, min_lr_ratio=0.1)
@@ -64,7 +52,5 @@ def get_config(arg=None):
   if not tiny:
     grpo.grpo.update(prompts_per_step=32, eval_examples=500)
   # The pipeline's own evaluation: one answer, no tools, on the held-out products.
-  c.eval = pipeline.eval
   c.eval.update(prompts="synthetic:mul:test", sft_data="", num_samples=0, pass_k=(1,))
-  c.distributed = pipeline.distributed
   return c

@@ -9,9 +9,10 @@ tokens, never the tools' outputs.
 The tools are shown through the chat template's own tool section where it has one (Qwen, Mistral, Llama 3.1+),
 else as a system message; calls are written in the Hermes / Qwen format (`grpo.env_tool_format`: llama3, mistral
 for those families). Held-out accuracy is measured with the tools and without them (eval/accuracy_no_tools).
-GRPO settings as configs/recipes/gsm8k_grpo.py (DeepSeekMath's, as verl runs them).
+GRPO settings (and the smoke size) are configs/recipes/gsm8k_grpo.py's (DeepSeekMath's, as verl runs them).
 """
-from jalign.config import defaults
+import importlib.util
+import os
 
 INSTRUCTION = ' Use the tool for arithmetic, then output the final answer after "####".'
 
@@ -22,24 +23,17 @@ def get_config(arg=None):
     variant, size = "", "smoke"
   if variant not in ("", "python"):
     raise ValueError(f"configs/recipes/gsm8k_tools.py: unknown variant {variant!r}; accepted: python, smoke")
-  c = defaults()  # every key with its default (jalign/config.py); this recipe states what it changes
-  c.task = "grpo"
-  c.run_dir = f"runs/gsm8k_tools{'_python' if variant else ''}"
-  c.data.prompt_suffix = INSTRUCTION
-  c.train.update(steps=200, log_every=1, eval_every=50)
-  c.optim.update(lr=1e-6, schedule="constant")
-  # max_new_tokens is per turn; an episode (prompt, turns and tool outputs) stays within env_max_tokens.
-  c.sampling.update(max_new_tokens=256, num_samples=8, max_prompt_length=512)
-  c.grpo.update(eval_examples=200, prompts_per_step=16, mini_batches=4, clip_high=0.2, no_signal="skip",
-                env=variant or "calculator", env_tool_format="hermes", env_max_turns=4, env_max_tokens=1536)
-  c.checkpoint.update(every=50, keep=1)
-  c.log.tensorboard = False
-  if size == "smoke":
-    c.run_dir += "_smoke"
-    c.train.update(steps=2, eval_every=0)
-    c.sampling.update(max_new_tokens=16, num_samples=2)
-    c.grpo.update(prompts_per_step=4, mini_batches=1, eval_examples=4, env_max_turns=2, env_max_tokens=1024)
-    c.checkpoint.every = 0
-  elif size:
+  if size not in ("", "smoke"):
     raise ValueError(f"configs/recipes/gsm8k_tools.py: unknown size {size!r}; accepted: smoke")
+  spec = importlib.util.spec_from_file_location("recipes_gsm8k_grpo", os.path.join(os.path.dirname(__file__),
+                                                                                   "gsm8k_grpo.py"))
+  grpo_recipe = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(grpo_recipe)
+  c = grpo_recipe.get_config(size or None)  # its GRPO settings and its smoke size
+  c.run_dir = f"runs/gsm8k_tools{'_python' if variant else ''}{'_smoke' if size else ''}"
+  c.data.prompt_suffix = INSTRUCTION
+  # max_new_tokens is per turn; an episode (prompt, turns and tool outputs) stays within env_max_tokens.
+  c.sampling.max_prompt_length = 512
+  c.grpo.update(env=variant or "calculator", env_tool_format="hermes", env_max_turns=4 if not size else 2,
+                env_max_tokens=1536 if not size else 1024)
   return c
