@@ -39,8 +39,9 @@ class KVCache:
   """Preallocated keys/values for decoding, one [B, K, S, H] buffer per layer (so a decode step updates each in
   place; a stacked [L, ...] buffer would be rewritten whole every token). Heads before slots: the layout attention
   reads, so a decode step does not transpose the whole cache (XLA would copy it every token otherwise).
-  `segment_BxS` is 0 for empty or padding slots; `index` is the next slot to write (shared by the batch:
-  left-padded prompts keep rows in step)."""
+  `segment_BxS` is 0 for empty or padding slots; `index` is the next slot to write: a scalar shared by the batch
+  (left-padded prompts keep rows in step), or one per row [B] (`per_row`: rows at different lengths, each writing
+  at its own slot, as slots of a continuous batch do)."""
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   segment_BxS: jax.Array
@@ -53,10 +54,16 @@ class KVCache:
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
     return cls(zeros(), zeros(), jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
 
+  def per_row(self) -> "KVCache":
+    """The same cache with one write index per row (each at the shared one)."""
+    index = jnp.broadcast_to(self.index, self.segment_BxS.shape[:1]) if self.index.ndim == 0 else self.index
+    return KVCache(self.k, self.v, self.segment_BxS, index.astype(jnp.int32))
+
   def repeat(self, n: int) -> "KVCache":
     """Each row's cache n times over (consecutive rows): one prompt's prefix shared by n samples."""
     rep = lambda a: jnp.repeat(a, n, axis=0)  # noqa: E731
-    return KVCache(tuple(map(rep, self.k)), tuple(map(rep, self.v)), rep(self.segment_BxS), self.index)
+    index = self.index if self.index.ndim == 0 else rep(self.index)
+    return KVCache(tuple(map(rep, self.k)), tuple(map(rep, self.v)), rep(self.segment_BxS), index)
 
   def num_bytes(self) -> int:
     return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v)) + self.segment_BxS.size * 4
@@ -124,13 +131,22 @@ def _dense(x, w, in_dims: int = 1):
   return y.reshape(*lead, *w.shape[in_dims:])
 
 
+def _write(buffer, update, index, axis: int):
+  """`update` written into `buffer` from slot `index` along `axis` (an axis after the batch's): one shared index, or
+  one per row [B]."""
+  if index.ndim == 0:
+    return jax.lax.dynamic_update_slice_in_dim(buffer, update, index, axis=axis)
+  return jax.vmap(lambda b, u, i: jax.lax.dynamic_update_slice_in_dim(b, u, i, axis=axis - 1))(buffer, update, index)
+
+
 def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
-                  q_segment_BxT, q_index_T, kv: tuple | None, cache_index, dropout_key=None, *,
+                  q_segment_BxT, q_index, kv: tuple | None, cache_index, dropout_key=None, *,
                   lora: lora_lib.LoraConfig | None = None):
   """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None: without one
   the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots (`chunked` for
   a prefill into a cache of `AUTO_CHUNKED_FROM` slots or more, unless `cfg.attention` is `xla`). Masks use
-  slot indices (`q_index_T`) for causality and windows, as transformers does. `lora`: the adapters' settings when
+  slot indices (`q_index`: [T], or [B, T] with a per-row cache index) for causality and windows, as transformers
+  does. `lora`: the adapters' settings when
   `lp` holds adapters; `dropout_key` turns on their dropout (training only)."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
@@ -149,7 +165,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   q = apply_rope(q, positions_BxT, inv_freq_H2)
   k = apply_rope(k, positions_BxT, inv_freq_H2)
   slots = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (x_BxTxD.shape[0], n))  # noqa: E731
-  q_slot_BxT = jnp.broadcast_to(q_index_T, q_segment_BxT.shape)
+  q_slot_BxT = jnp.broadcast_to(q_index, q_segment_BxT.shape)
   if kv is None:
     new_kv = None
     attn = kernels.attention(q, k, v, q_segment_ids=q_segment_BxT, kv_segment_ids=q_segment_BxT,
@@ -158,8 +174,8 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   else:
     cache_k, cache_v, k_segment = kv  # [B, K, S, H]
     heads_first = lambda a, c: jnp.swapaxes(a, 1, 2).astype(c.dtype)  # noqa: E731  [B, T, K, H] -> [B, K, T, H]
-    keys = jax.lax.dynamic_update_slice_in_dim(cache_k, heads_first(k, cache_k), cache_index, axis=2)
-    values = jax.lax.dynamic_update_slice_in_dim(cache_v, heads_first(v, cache_v), cache_index, axis=2)
+    keys = _write(cache_k, heads_first(k, cache_k), cache_index, axis=2)
+    values = _write(cache_v, heads_first(v, cache_v), cache_index, axis=2)
     new_kv = (keys, values)
     S = k_segment.shape[1]
     if q.shape[1] > 1 and S >= AUTO_CHUNKED_FROM and cfg.attention != "xla":
@@ -230,7 +246,7 @@ class Decoder(nnx.Module):
     Padding: `attention_mask` [B, T] (1 = token; left padding fine) gives positions like transformers' `generate`.
     Packing: `segment_ids` [B, T] (1, 2, ... per packed sequence, 0 = padding) with `positions` [B, T] restarting
     at 0 for each sequence.
-    Decoding: pass a `KVCache`; the new tokens are written at `cache.index`. Layers then run unrolled, each on
+    Decoding: pass a `KVCache`; the new tokens are written at `cache.index` (shared, or per row). Layers then run unrolled, each on
     its own cache buffer; `layers` (from `layer_list()`) saves re-slicing the stacked weights per call.
     Training: `dropout_rng` turns on LoRA dropout (when the model has adapters with dropout > 0).
     """
@@ -247,7 +263,7 @@ class Decoder(nnx.Module):
         raise ValueError("decoding with a cache needs `positions` (or an attention mask for the prefill)")
       positions_BxT = positions_from_mask(segment_ids_BxT != 0)
     cache_index = jnp.zeros((), jnp.int32) if cache is None else cache.index
-    q_index_T = cache_index + jnp.arange(T)
+    q_index = cache_index + jnp.arange(T) if cache_index.ndim == 0 else cache_index[:, None] + jnp.arange(T)
 
     x = jnp.take(self.embed[...], input_ids_BxT, axis=0).astype(dt)
     if cfg.embed_scale:
@@ -257,13 +273,12 @@ class Decoder(nnx.Module):
       per_layer = layers if layers is not None else self.layer_list()
       k_segment = None
       if cache is not None:
-        k_segment = jax.lax.dynamic_update_slice_in_dim(cache.segment_BxS, segment_ids_BxT.astype(jnp.int32),
-                                                        cache_index, axis=1)
+        k_segment = _write(cache.segment_BxS, segment_ids_BxT.astype(jnp.int32), cache_index, axis=1)
       new_k, new_v = [], []
       for i in range(cfg.num_layers):
         kv = None if cache is None else (cache.k[i], cache.v[i], k_segment)
         x, kv = decoder_layer(cfg, x, per_layer[i], int(windows_L[i]), jnp.asarray(inv_freq_LxH2[i]),
-                              positions_BxT, segment_ids_BxT, q_index_T, kv, cache_index, lora=lora)
+                              positions_BxT, segment_ids_BxT, q_index, kv, cache_index, lora=lora)
         if kv is not None:
           new_k.append(kv[0])
           new_v.append(kv[1])
@@ -282,7 +297,7 @@ class Decoder(nnx.Module):
     def body(x, xs):
       lp, window, inv_freq, key = xs
       window = window if static_window is None else static_window
-      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index_T, None, cache_index,
+      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index, None, cache_index,
                    key)[0], None
 
     xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2), keys_L)
