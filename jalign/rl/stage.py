@@ -83,7 +83,6 @@ class RolloutStage:
     return Groups(prompts, n, pad(out.response, tok.pad_id), out.lengths, out.rewards, None, None, None,
                   pad(out.logprobs), pad(out.loss_mask), out.counts(), pad(out.token_rewards))
 
-
   def episode_accuracies(self, lm, records: list[dict], key, batch_size: int = 256) -> dict:
     """Greedy held-out accuracy of whole episodes (eval/accuracy) and, when the environment has tools, of one answer
     to the same records without them (eval/accuracy_no_tools): the gain the tools bring."""

@@ -100,7 +100,7 @@ class GrpoTask(loop.Task):
     self.kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
     self.key = jax.random.key(cfg.seed)
     self.monitors = Monitors(entropy_floor=g.entropy_floor, no_signal_warn_steps=g.no_signal_warn_steps)
-    self.initial_acc, self.initial = None, {}
+    self.initial = {}  # the initial policy's held-out accuracies
     self.step = 0
     self.last: dict = {}
     self.iterator = _prompt_iterator(cfg, len(self.stage))
@@ -152,10 +152,9 @@ class GrpoTask(loop.Task):
     on_device = parallel.in_memory(self.reference, "device") if self.cfg.model.offload_reference else self.reference
     self.initial = self._accuracies(self._policy(on_device))
     del on_device
-    self.initial_acc = self.initial["eval/accuracy"]
     self.say(f"held-out {self.metric} accuracy of the initial policy: {self._describe(self.initial)}")
     self.log.write(start, self.initial)
-    self.monitors.after_eval(start, self.initial_acc, len(self.eval_prompts))
+    self.monitors.after_eval(start, self.initial["eval/accuracy"], len(self.eval_prompts))
 
   def _accuracies(self, lm) -> dict:
     """Greedy held-out accuracy: of one answer, or of whole episodes (and then, for an environment with tools, of
@@ -187,7 +186,7 @@ class GrpoTask(loop.Task):
     if final:
       acc = now["eval/accuracy"]
       return (f"held-out {self.metric} accuracy: {self._describe(self.initial)} -> {self._describe(now)} "
-              f"({(acc - self.initial_acc) * 100:+.1f} points); KL to reference {kl:.4f}")
+              f"({(acc - self.initial['eval/accuracy']) * 100:+.1f} points); KL to reference {kl:.4f}")
     return f"step {step}: held-out {self.metric} accuracy {self._describe(now)}  KL to reference {kl:.4f}"
 
   def train_step(self, state, step: int):
