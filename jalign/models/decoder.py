@@ -146,8 +146,8 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots (`chunked` for
   a prefill into a cache of `AUTO_CHUNKED_FROM` slots or more, unless `cfg.attention` is `xla`). Masks use
   slot indices (`q_index`: [T], or [B, T] with a per-row cache index) for causality and windows, as transformers
-  does. `lora`: the adapters' settings when
-  `lp` holds adapters; `dropout_key` turns on their dropout (training only)."""
+  does. `lora`: the adapters' settings when `lp` holds adapters; `dropout_key` turns on their dropout (training
+  only)."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
 
@@ -246,8 +246,9 @@ class Decoder(nnx.Module):
     Padding: `attention_mask` [B, T] (1 = token; left padding fine) gives positions like transformers' `generate`.
     Packing: `segment_ids` [B, T] (1, 2, ... per packed sequence, 0 = padding) with `positions` [B, T] restarting
     at 0 for each sequence.
-    Decoding: pass a `KVCache`; the new tokens are written at `cache.index` (shared, or per row). Layers then run unrolled, each on
-    its own cache buffer; `layers` (from `layer_list()`) saves re-slicing the stacked weights per call.
+    Decoding: pass a `KVCache`; the new tokens are written at `cache.index` (shared, or per row). Layers then run
+    unrolled, each on its own cache buffer; `layers` (from `layer_list()`) saves re-slicing the stacked weights per
+    call.
     Training: `dropout_rng` turns on LoRA dropout (when the model has adapters with dropout > 0).
     """
     cfg = self.cfg

@@ -84,8 +84,7 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
     episodes.append(Episode(tok, messages, **kwargs))
     logps.append([])
     infos.append(None)
-  rewards = np.zeros(len(envs), np.float32)
-  turn_rewards = [[] for _ in envs]
+  turn_rewards = [[] for _ in envs]  # (response position of the turn's last token, the turn's reward)
   active = [k for k, e in enumerate(episodes) if len(e.ids) + max_turn_tokens <= max_tokens]
   for k in set(range(len(envs))) - set(active):
     infos[k] = envs[k].info(truncated=True)
@@ -104,8 +103,7 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
         continue
       step = env.step(content, new)
       infos[k] = step.info
-      rewards[k] += step.reward
-      turn_rewards[k].append((len(ep.ids) - 1 - ep.prompt_length, step.reward))  # on the turn's last token
+      turn_rewards[k].append((len(ep.ids) - 1 - ep.prompt_length, step.reward))
       if step.done:
         continue
       before = len(ep.ids)
@@ -132,16 +130,16 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
   token_rewards = np.zeros((len(envs), width), np.float32)
   lengths = np.zeros(len(envs), np.int32)
   for k, e in enumerate(episodes):
-    for at, r in turn_rewards[k]:
-      token_rewards[k, at] += r
-    r = e.response_ids
-    response[k, :len(r)] = r
-    response[k, len(r):] = tok.pad_id
-    loss_mask[k, :len(r)] = e.response_mask
-    logprobs[k, :len(r)] = logps[k]
-    lengths[k] = len(r)
+    for at, reward in turn_rewards[k]:
+      token_rewards[k, at] += reward
+    row = e.response_ids
+    response[k, :len(row)] = row
+    response[k, len(row):] = tok.pad_id
+    loss_mask[k, :len(row)] = e.response_mask
+    logprobs[k, :len(row)] = logps[k]
+    lengths[k] = len(row)
   # turns: the model turns sampled, a turn cut off by its token budget included
   infos = [{"tool_calls": 0, "tool_errors": 0, "truncated": False, "rewritten": False, **i, "turns": e.model_turns}
            for i, e in zip(infos, episodes)]
-  return Episodes(n, [e.ids[:e.prompt_length] for e in episodes], response, lengths, loss_mask, logprobs, rewards,
-                  infos, episodes, token_rewards)
+  return Episodes(n, [e.ids[:e.prompt_length] for e in episodes], response, lengths, loss_mask, logprobs,
+                  token_rewards.sum(1), infos, episodes, token_rewards)

@@ -110,7 +110,7 @@ except BaseException as e:
 
 
 class SandboxTimeout(Exception):
-  pass
+  """The code ran past its wall-clock limit and was killed."""
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, output_bytes: int = 1 << 20,
