@@ -13,9 +13,15 @@ import jax.numpy as jnp
 _NEG = -1e30
 
 
-def sample_logits(logits_BxV: jax.Array, rng: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
+def row_keys(rng: jax.Array, request_B: jax.Array, step_B: jax.Array) -> jax.Array:
+  """One key per (request, step) [B]: a request's draws do not depend on the batch, the slot or the other rows it
+  was sampled with (static and continuous batching give the same samples for the same seed)."""
+  return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(request_B, step_B)
+
+
+def sample_logits(logits_BxV: jax.Array, keys_B: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0, min_p: float = 0.0) -> tuple[jax.Array, jax.Array]:
-  """(token_B int32, logprob_B float32)."""
+  """(token_B int32, logprob_B float32); `keys_B`: one key per row (`row_keys`)."""
   logits = logits_BxV.astype(jnp.float32)
   if temperature == 0.0:
     token = jnp.argmax(logits, axis=-1)
@@ -39,6 +45,6 @@ def sample_logits(logits_BxV: jax.Array, rng: jax.Array, *, temperature: float =
   # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry (jax.random.categorical),
   # ~3x cheaper per decode step on CPU. The draw is never exactly 0, so a zero-probability token is never chosen.
   cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
-  u = jax.random.uniform(rng, (logits.shape[0], 1), jnp.float32, minval=jnp.finfo(jnp.float32).tiny)
+  u = jax.vmap(lambda k: jax.random.uniform(k, (1,), jnp.float32, minval=jnp.finfo(jnp.float32).tiny))(keys_B)
   token = jnp.minimum(jnp.sum(cdf < u * cdf[:, -1:], axis=-1), logits.shape[-1] - 1)
   return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], -1)[:, 0]

@@ -1,8 +1,8 @@
-"""`generate`: one jitted program per (prompt bucket, settings): prefill the left-padded prompts into a
-preallocated KV cache, then decode in a `lax.while_loop` that exits as soon as every row has stopped."""
+"""`generate`: the static path is one jitted program per (prompt bucket, settings): prefill the left-padded prompts
+into a preallocated KV cache, then decode in a `lax.while_loop` that exits as soon as every row has stopped. The
+continuous path is `jalign.sampling.engine`."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -12,35 +12,22 @@ from flax import nnx
 
 from jalign.models.decoder import Decoder, KVCache
 from jalign.models.sharding import state_shardings
-from jalign.sampling.filters import sample_logits
-
-FINISH_LENGTH, FINISH_STOP = 0, 1
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class GenerateOutput:
-  tokens: jax.Array         # [N, max_new_tokens] int32; after a row stops: pad_id
-  logprobs: jax.Array       # [N, max_new_tokens] float32; 0 after a row stops (see filters.py for the definition)
-  lengths: jax.Array        # [N] int32, generated tokens including the stop token
-  finish_reason: jax.Array  # [N] int32: 0 = ran out of max_new_tokens, 1 = emitted a stop token
-
-
-def prompt_bucket(length: int, minimum: int = 16) -> int:
-  """Prompts are left-padded to the next bucket: four per doubling (16, 20, 24, 28, 32, 40, 48, ...; at least
-  `minimum`), so a handful of compiled programs serve every length and at most a fifth of a bucket is padding
-  (power-of-two buckets padded 18-token prompts to 32: 44% of the prefill and of GRPO's prompt forward wasted)."""
-  n = max(length, minimum)
-  step = 1 << max((n - 1).bit_length() - 3, 0)  # a quarter of the power of two below n
-  return -(-n // step) * step
+from jalign.sampling import engine
+from jalign.sampling.filters import row_keys
+from jalign.sampling.settings import GenerateOutput, Settings, prompt_bucket
 
 
 def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, stop_token_ids=(), num_samples: int = 1,
-             pad_id: int = 0, cache_dtype=None, bucket_min: int = 16, mesh=None, rules=None) -> GenerateOutput:
+             pad_id: int = 0, cache_dtype=None, bucket_min: int = 16, mesh=None, rules=None, budgets=None,
+             slots: int | None = None, chunk: int = 32) -> GenerateOutput:
   """Samples continuations of left-padded prompts [B, P] (mask 1 = token). Each prompt is repeated `num_samples`
-  times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows.
+  times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows; row n is request n, and its
+  t-th token is drawn with the key (request n, step t) whatever batch or slot it runs in.
 
+  `slots=None`: one static batch (every row decodes until the last one stops). `slots=k`: continuous batching over
+  k cache slots (`jalign.sampling.engine`; a whole group at a time, so k >= num_samples), the same samples for the
+  same `rng`. `budgets` [N]: each request's own token budget (<= max_new_tokens), as a per-request max_tokens.
   With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
   (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout."""
   prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
@@ -55,60 +42,69 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   if bucket + max_new_tokens > lm.cfg.max_position_embeddings:
     raise ValueError(f"prompt bucket {bucket} + max_new_tokens {max_new_tokens} exceeds the model's context "
                      f"({lm.cfg.max_position_embeddings} positions)")
-  pad = ((0, 0), (bucket - p, 0))
-  ids = np.pad(prompt_ids, pad, constant_values=pad_id).astype(np.int32)
-  mask = np.pad(prompt_mask, pad).astype(np.int32)
+  n = len(prompt_ids) * num_samples
+  budgets = np.full(n, max_new_tokens, np.int32) if budgets is None else np.asarray(budgets, np.int32)
+  if budgets.shape != (n,) or budgets.min() < 1 or budgets.max() > max_new_tokens:
+    raise ValueError(f"budgets must be [{n}] (one per request) with values in [1, max_new_tokens={max_new_tokens}]"
+                     f", got shape {budgets.shape}")
+  if slots is not None and slots < num_samples:
+    raise ValueError(f"slots={slots} cannot hold a group of num_samples={num_samples}")
   graphdef, params = nnx.split(lm)
   if mesh is not None and rules is not None:
     params = jax.device_put(params, state_shardings(lm, mesh, rules))
-  run = _compiled(graphdef, max_new_tokens, float(temperature), int(top_k), float(top_p), float(min_p),
-                  tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype, int(num_samples))
-  return run(params, jnp.asarray(ids), jnp.asarray(mask), rng)
+  settings = Settings(max_new_tokens, float(temperature), int(top_k), float(top_p), float(min_p),
+                      tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype, int(num_samples))
+  if slots is not None:
+    return engine.run(graphdef, params, prompt_ids, prompt_mask, budgets, rng, settings, slots=slots, chunk=chunk,
+                      bucket_min=bucket_min)
+  pad = ((0, 0), (bucket - p, 0))
+  ids = np.pad(prompt_ids, pad, constant_values=pad_id).astype(np.int32)
+  mask = np.pad(prompt_mask, pad).astype(np.int32)
+  return _compiled(graphdef, settings)(params, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(budgets), rng)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, max_new, temperature, top_k, top_p, min_p, stop_ids, pad_id, cache_dtype, num_samples):
-  sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-  stop = jnp.asarray(stop_ids or (-1,), jnp.int32)
+def _compiled(graphdef, s: Settings):
+  sample, max_new, pad_id = s.sampler(), s.max_new, s.pad_id
 
   @jax.jit
-  def run(params, ids_BxP, mask_BxP, rng):
+  def run(params, ids_BxP, mask_BxP, budget_N, rng):
     lm = nnx.merge(graphdef, params)
     layers = lm.layer_list()  # sliced once, not per token
     # Each prompt is prefilled once; its cache and last hidden state are repeated for its samples.
-    cache = KVCache.init(lm.cfg, ids_BxP.shape[0], ids_BxP.shape[1] + max_new, cache_dtype)
+    cache = KVCache.init(lm.cfg, ids_BxP.shape[0], ids_BxP.shape[1] + max_new, s.cache_dtype)
     hidden, cache = lm.forward(ids_BxP, mask_BxP, cache=cache, layers=layers)
-    cache = cache.repeat(num_samples)
-    hidden = jnp.repeat(hidden[:, -1:], num_samples, axis=0)
-    mask_NxP = jnp.repeat(mask_BxP, num_samples, axis=0)
+    cache = cache.repeat(s.num_samples)
+    hidden = jnp.repeat(hidden[:, -1:], s.num_samples, axis=0)
+    mask_NxP = jnp.repeat(mask_BxP, s.num_samples, axis=0)
     n = mask_NxP.shape[0]
-    rng, key = jax.random.split(rng)
-    token, logp = sample(lm.logits(hidden)[:, 0], key)
+    request = jnp.arange(n, dtype=jnp.int32)
+    token, logp = sample(lm.logits(hidden)[:, 0], row_keys(rng, request, jnp.zeros_like(request)))
     next_pos = jnp.sum(mask_NxP, axis=1).astype(jnp.int32)  # position of the first new token
     out_tokens = jnp.full((n, max_new), pad_id, jnp.int32).at[:, 0].set(token)
     out_logp = jnp.zeros((n, max_new), jnp.float32).at[:, 0].set(logp)
-    done = jnp.isin(token, stop)
+    stopped = s.stops(token)
+    lengths = jnp.ones((n,), jnp.int32)
 
     def cond(carry):
-      step, _, _, done, *_ = carry
-      return (step < max_new) & ~jnp.all(done)
+      step, _, _, stopped, lengths, *_ = carry
+      return (step < max_new) & ~jnp.all(stopped | (lengths >= budget_N))
 
     def body(carry):
-      step, out_tokens, out_logp, done, lengths, token, pos, cache, rng = carry
+      step, out_tokens, out_logp, stopped, lengths, token, pos, cache = carry
+      done = stopped | (lengths >= budget_N)
       hidden, cache = lm.forward(token[:, None], positions=pos[:, None], cache=cache, layers=layers)
-      rng, key = jax.random.split(rng)
-      new, logp = sample(lm.logits(hidden)[:, 0], key)
+      new, logp = sample(lm.logits(hidden)[:, 0], row_keys(rng, request, jnp.full_like(request, step)))
       new = jnp.where(done, pad_id, new)
       logp = jnp.where(done, 0.0, logp)
       out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, new[:, None], step, axis=1)
       out_logp = jax.lax.dynamic_update_slice_in_dim(out_logp, logp[:, None], step, axis=1)
       lengths = lengths + (~done).astype(jnp.int32)
-      done = done | jnp.isin(new, stop)
-      return step + 1, out_tokens, out_logp, done, lengths, new, pos + 1, cache, rng
+      stopped = stopped | (~done & s.stops(new))
+      return step + 1, out_tokens, out_logp, stopped, lengths, new, pos + 1, cache
 
-    carry = (jnp.ones((), jnp.int32), out_tokens, out_logp, done, jnp.ones((n,), jnp.int32), token, next_pos, cache,
-             rng)
-    _, out_tokens, out_logp, done, lengths, *_ = jax.lax.while_loop(cond, body, carry)
-    return GenerateOutput(out_tokens, out_logp, lengths, done.astype(jnp.int32))
+    carry = (jnp.ones((), jnp.int32), out_tokens, out_logp, stopped, lengths, token, next_pos, cache)
+    _, out_tokens, out_logp, stopped, lengths, *_ = jax.lax.while_loop(cond, body, carry)
+    return GenerateOutput(out_tokens, out_logp, lengths, stopped.astype(jnp.int32))
 
   return run

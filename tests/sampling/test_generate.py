@@ -95,7 +95,8 @@ def _expected(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 def test_sampled_frequencies_follow_the_filtered_distribution(settings):
   logits = np.array([2.0, 1.5, 1.0, 0.3, -0.5, -1.0], np.float32)
   n = 40_000
-  tokens, logp = sampling.sample_logits(jnp.tile(jnp.asarray(logits), (n, 1)), jax.random.key(7), **settings)
+  tokens, logp = sampling.sample_logits(jnp.tile(jnp.asarray(logits), (n, 1)), jax.random.split(jax.random.key(7), n),
+                                        **settings)
   want = _expected(logits, **settings)
   counts = np.bincount(np.asarray(tokens), minlength=len(logits))
   assert np.all(counts[want == 0] == 0)

@@ -1,0 +1,132 @@
+"""Continuous batching (`generate(..., slots=k)`) against the static path and against a model forward: the same
+samples for the same key, every request served once, no cache entry of a slot's earlier request leaking into the
+next, stop tokens and budgets honoured, KV memory set by the slots alone."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.special
+
+from jalign import models, sampling
+from jalign.sampling import engine
+from tests import hf_reference as ref
+
+MAX_NEW = 24
+
+
+def _uneven_prompts(vocab, n=7, longest=30, seed=0):
+  rng = np.random.RandomState(seed)
+  lengths = rng.randint(2, longest + 1, n)
+  lengths[0] = longest  # a long prompt first, so later short ones land on slots holding longer stale entries
+  ids = np.zeros((n, longest), np.int32)
+  mask = np.zeros((n, longest), np.int32)
+  for b, length in enumerate(lengths):
+    ids[b, longest - length:] = rng.randint(3, vocab, length)
+    mask[b, longest - length:] = 1
+  return ids, mask
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+  model = ref.build("llama")
+  return models.from_pretrained(ref.save(model, tmp_path_factory.mktemp("m") / "llama")), model.config.vocab_size
+
+
+@pytest.mark.parametrize("settings,slots,chunk", [(dict(temperature=0.0), 2, 4), (dict(temperature=1.0), 6, 8),
+                                                   (dict(temperature=0.8, top_p=0.9), 64, 32),
+                                                   (dict(temperature=1.2, top_k=5), 4, 1)])
+def test_continuous_equals_static(llama, settings, slots, chunk):
+  lm, vocab = llama
+  ids, mask = _uneven_prompts(vocab)
+  budgets = np.random.RandomState(1).randint(1, MAX_NEW + 1, len(ids) * 2)
+  kw = dict(max_new_tokens=MAX_NEW, num_samples=2, stop_token_ids=(7, 11), budgets=budgets, **settings)
+  static = sampling.generate(lm, ids, mask, jax.random.key(4), **kw)
+  continuous = sampling.generate(lm, ids, mask, jax.random.key(4), slots=slots, chunk=chunk, **kw)
+  np.testing.assert_array_equal(np.asarray(continuous.tokens), np.asarray(static.tokens))
+  np.testing.assert_array_equal(np.asarray(continuous.lengths), np.asarray(static.lengths))
+  np.testing.assert_array_equal(np.asarray(continuous.finish_reason), np.asarray(static.finish_reason))
+  np.testing.assert_allclose(np.asarray(continuous.logprobs), np.asarray(static.logprobs), atol=1e-5)
+  assert len(set(np.asarray(static.lengths).tolist())) > 3  # the lengths are uneven: slots are refilled
+
+
+def test_each_request_once_and_the_cache_set_by_the_slots(llama, monkeypatch):
+  lm, vocab = llama
+  ids, mask = _uneven_prompts(vocab, n=12)
+  admitted, states = [], []
+  prefill_program, init = engine._prefill_program, engine._init
+
+  def recording_prefill(graphdef, s):
+    run = prefill_program(graphdef, s)
+
+    def prefill(params, state, ids, mask, slot_N, request_N, *rest):
+      admitted.extend(np.asarray(request_N)[np.asarray(slot_N) < 3].tolist())  # padding rows go to slot 3 (dropped)
+      return run(params, state, ids, mask, slot_N, request_N, *rest)
+    return prefill
+
+  monkeypatch.setattr(engine, "_prefill_program", recording_prefill)
+  monkeypatch.setattr(engine, "_init", lambda *a: states.append(init(*a)) or states[-1])
+  out = sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=MAX_NEW, num_samples=1, slots=3, chunk=4)
+  assert sorted(admitted) == list(range(12))
+  assert np.all(np.asarray(out.lengths) >= 1)
+  cfg = lm.cfg
+  max_len = sampling.prompt_bucket(ids.shape[1]) + MAX_NEW
+  kv_bytes = 2 * cfg.num_layers * 3 * cfg.num_kv_heads * max_len * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+  assert states[0].cache.num_bytes() == kv_bytes + 3 * max_len * 4  # 3 slots, whatever the number of requests
+
+
+def test_refilled_slots_do_not_see_earlier_requests(llama):
+  """Two slots serve 14 requests; each request's behaviour log-probs equal a forward over its own prompt and tokens."""
+  lm, vocab = llama
+  ids, mask = _uneven_prompts(vocab, n=7, seed=3)
+  out = sampling.generate(lm, ids, mask, jax.random.key(2), max_new_tokens=MAX_NEW, num_samples=2, slots=2, chunk=3,
+                          temperature=1.0)
+  tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
+  for n in range(len(tokens)):
+    real = ids[n // 2][mask[n // 2] == 1]
+    full = np.concatenate([real, tokens[n, :lengths[n]]])[None]
+    logits = np.asarray(lm(jnp.asarray(full), jnp.ones_like(jnp.asarray(full))), np.float64)[0]
+    logp = logits - scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+    want = logp[len(real) - 1:-1][np.arange(lengths[n]), tokens[n, :lengths[n]]]
+    np.testing.assert_allclose(logprobs[n, :lengths[n]], want, atol=2e-5)
+
+
+def test_stop_tokens_and_budgets(llama):
+  lm, vocab = llama
+  ids, mask = _uneven_prompts(vocab, n=9, seed=5)
+  free = sampling.generate(lm, ids, mask, jax.random.key(6), max_new_tokens=MAX_NEW, temperature=0.0, slots=4)
+  stop = int(np.asarray(free.tokens)[1, 3])  # a token some request emits, so stopping is exercised
+  budgets = np.random.RandomState(2).randint(1, MAX_NEW + 1, len(ids))
+  out = sampling.generate(lm, ids, mask, jax.random.key(6), max_new_tokens=MAX_NEW, temperature=0.0, slots=4,
+                          stop_token_ids=(stop,), budgets=budgets, pad_id=0)
+  tokens, lengths, finish = map(np.asarray, (out.tokens, out.lengths, out.finish_reason))
+  free_tokens = np.asarray(free.tokens)
+  for n in range(len(ids)):
+    hits = np.flatnonzero(free_tokens[n] == stop)
+    want = min(hits[0] + 1 if len(hits) else MAX_NEW, budgets[n])
+    assert lengths[n] == want
+    assert finish[n] == int(len(hits) > 0 and hits[0] + 1 <= budgets[n])
+    np.testing.assert_array_equal(tokens[n, :want], free_tokens[n, :want])
+    assert np.all(tokens[n, want:] == 0)
+  assert finish.sum() >= 1 and (finish == 0).sum() >= 1
+
+
+def test_continuous_on_the_mesh_equals_one_device(tmp_path):
+  model = ref.build("qwen2")
+  path = ref.save(model, tmp_path / "m")
+  ids, mask = _uneven_prompts(model.config.vocab_size, n=5, seed=7)
+  kw = dict(max_new_tokens=12, temperature=0.9, num_samples=2, slots=4, chunk=4)
+  one = sampling.generate(models.from_pretrained(path), ids, mask, jax.random.key(5), **kw)
+  mesh = models.make_mesh((1, 4, 2))
+  with jax.set_mesh(mesh):
+    eight = sampling.generate(models.from_pretrained(path, mesh=mesh), ids, mask, jax.random.key(5), **kw)
+  np.testing.assert_array_equal(np.asarray(eight.tokens), np.asarray(one.tokens))
+  np.testing.assert_allclose(np.asarray(eight.logprobs), np.asarray(one.logprobs), atol=1e-5)
+
+
+def test_bad_slots_and_budgets(llama):
+  lm, vocab = llama
+  ids, mask = _uneven_prompts(vocab, n=2)
+  with pytest.raises(ValueError, match="slots=2 cannot hold a group of num_samples=4"):
+    sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=4, num_samples=4, slots=2)
+  with pytest.raises(ValueError, match=r"budgets must be \[2\] .* max_new_tokens=4"):
+    sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=4, budgets=[1, 5])
