@@ -65,7 +65,7 @@ def _tiny(path: str, workdir: str) -> Checkpoint:
   import transformers
   from tokenizers import Tokenizer, models, pre_tokenizers
   torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(**TINY, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=EOS,
+  cfg = transformers.LlamaConfig(**TINY, max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=EOS,
                                  pad_token_id=PAD, bos_token_id=BOS)
   transformers.LlamaForCausalLM(cfg).save_pretrained(path)
   words = [f"w{i}" for i in range(3, TINY["vocab_size"])]

@@ -131,6 +131,8 @@ def validate(values, num_devices: int) -> RunConfig:
     cfg.rm.check(export_hf=cfg.checkpoint.export_hf, warmup_steps=cfg.optim.warmup_steps)
   if cfg.task == "dpo":
     cfg.dpo.check()
+  if cfg.task in ("rollout", "grpo", "ppo", "eval"):
+    cfg.sampling.check()
   if cfg.task in ("rollout", "grpo", "ppo"):
     cfg.rollout.check(cfg.task, cfg.run_dir)
     cfg.reward.check()

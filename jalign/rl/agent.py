@@ -60,14 +60,17 @@ def summary(counts: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
           "agent/episode_tokens/mean": float(np.mean(lengths))}
 
 
-def static_sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: int, **kwargs) -> SampleFn:
-  """A SampleFn over `sampling.generate` (left-padded prompts; each call folds a counter into `rng`)."""
+def sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: int, slots: int = 0,
+            **kwargs) -> SampleFn:
+  """A SampleFn over `sampling.generate`'s continuous batching (`slots`; 0 = one per row of the call; left-padded
+  prompts; each call folds a counter into `rng`)."""
   calls = [0]
 
   def sample(rows: list[list[int]]):
     ids, mask = left_pad_ids(rows, pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.fold_in(rng, calls[0]), max_new_tokens=max_turn_tokens,
-                            temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id, **kwargs)
+                            temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id,
+                            slots=min(slots, len(rows)) if slots else len(rows), **kwargs)
     calls[0] += 1
     return to_host((out.tokens, out.logprobs, out.lengths))
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from jalign import sampling
 from jalign.data.prompts import Prompt, left_pad
+from jalign.errors import ConfigError
 from jalign.models.sharding import to_host, without_fsdp
 from jalign.rl.rewards import Batch, RewardSpec
 from jalign.sections import bounded
@@ -27,6 +28,17 @@ class SamplingSection:
   num_samples: int = bounded(4, gt=0)     # completions per prompt (a GRPO group)
   max_prompt_length: int = bounded(64, gt=0)
   layout: Literal["training", "no_fsdp"] = "training"  # weight layout while generating (see models.without_fsdp)
+  # Continuous batching: cache slots kept full as requests finish (a group at a time, so >= num_samples); 0 = one
+  # slot per completion of the batch (all in flight at once). KV memory: slots x (prompt bucket + max_new_tokens).
+  slots: int = bounded(0, ge=0)
+
+  def check(self) -> None:
+    if 0 < self.slots < self.num_samples:
+      raise ConfigError(f"config.sampling.slots={self.slots} cannot hold a group of sampling.num_samples="
+                        f"{self.num_samples}; set slots >= num_samples (or 0: one per completion)")
+
+  def engine_slots(self, completions: int) -> int:
+    return min(self.slots, completions) if self.slots else completions
 
   def rules(self, training_rules):
     """Logical-axis rules for generation: None keeps the training layout."""
@@ -63,7 +75,8 @@ def sample(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSection
   stop = tuple(t for t in (tok.eos_id,) if t is not None)
   out = sampling.generate(lm, ids, mask, rng, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, stop_token_ids=stop,
-                          num_samples=spec.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=rules)
+                          num_samples=spec.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=rules,
+                          slots=spec.engine_slots(len(prompts) * spec.num_samples))
   tokens, lengths, logprobs, finish = to_host((out.tokens, out.lengths, out.logprobs, out.finish_reason))
   texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
   return Samples(prompts, spec.num_samples, tokens, lengths, texts, logprobs, finish)

@@ -71,9 +71,9 @@ class RolloutStage:
     its loss mask the model's own tokens."""
     s, n, tok = self.spec, self.spec.num_samples, self.tok
     records = [self.source[i] for i in indices]
-    sample = agent.static_sampler(lm, tok, key, max_turn_tokens=s.max_new_tokens, temperature=s.temperature,
-                                  pad_id=tok.pad_id, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, mesh=self.mesh,
-                                  rules=self.rules)
+    sample = agent.sampler(lm, tok, key, max_turn_tokens=s.max_new_tokens, temperature=s.temperature,
+                           pad_id=tok.pad_id, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, slots=s.slots,
+                           mesh=self.mesh, rules=self.rules)
     out = agent.rollout(self.make_env, tok, records, n, sample, max_turn_tokens=s.max_new_tokens,
                         max_tokens=self.max_tokens)
     prompts = [Prompt(i, out.prompt_ids[j * n], tok.decode(out.prompt_ids[j * n], skip_special_tokens=False),
@@ -87,8 +87,8 @@ class RolloutStage:
     """Greedy held-out accuracy of whole episodes (eval/accuracy) and, when the environment has tools, of one answer
     to the same records without them (eval/accuracy_no_tools): the gain the tools bring."""
     s, tok = self.spec, self.tok
-    sample = agent.static_sampler(lm, tok, key, max_turn_tokens=s.max_new_tokens, temperature=0.0, pad_id=tok.pad_id,
-                                  mesh=self.mesh, rules=self.rules)
+    sample = agent.sampler(lm, tok, key, max_turn_tokens=s.max_new_tokens, temperature=0.0, pad_id=tok.pad_id,
+                           slots=s.slots, mesh=self.mesh, rules=self.rules)
     envs = {"eval/accuracy": self.make_env}
     if env_lib.has_tools(self.make_env()):
       envs["eval/accuracy_no_tools"] = self.make_answer_env

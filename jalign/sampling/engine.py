@@ -4,7 +4,7 @@ Responses to RL prompts differ 10-100x in length; a static batch decodes every r
 host loop keeps the slots full instead: a jitted prefill writes new prompts (a whole group: one prompt, its
 `num_samples` requests) into free slots, and a jitted decode chunk runs up to `chunk` steps, returning early once a
 group's worth of slots has finished, so their requests are collected and the slots refilled. Decode attention reads
-the cache only up to the longest active slot (a power-of-two bound, one program per bound). Each slot writes at its
+the cache only up to the longest active slot (rounded up to one of four bounds per doubling, one program each). Each slot writes at its
 own cache index (`KVCache.per_row`); a refilled slot's stale entries are masked out by its segment row.
 
 Every draw is keyed by (request, step) (`filters.row_keys`), so a request's tokens do not depend on its slot or on
@@ -63,27 +63,27 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   serving: dict[int, int] = {}  # slot -> request
   while queue or serving:
     admit, queue = queue[:len(free) // g], queue[len(free) // g:]
-    for bucket in sorted({int(buckets_B[b]) for b in admit}):
-      group = [b for b in admit if buckets_B[b] == bucket]
-      m = 1 << (len(group) - 1).bit_length()  # power-of-two batches: few prefill programs
+    if admit:  # one prefill call: the admitted prompts at their longest bucket, a power-of-two batch of them
+      bucket = int(buckets_B[admit].max())
+      m = 1 << (len(admit) - 1).bit_length()
       ids = np.zeros((m, bucket), np.int32)
       mask = np.zeros((m, bucket), np.int32)
       slot_M = np.full(m * g, slots, np.int32)  # out of range: the padding rows' writes are dropped
       request_M = np.zeros(m * g, np.int32)
-      for j, b in enumerate(group):
+      for j, b in enumerate(admit):
         real = prompt_ids[b][prompt_mask[b] == 1]
         ids[j, bucket - len(real):], mask[j, bucket - len(real):] = real, 1
         for i in range(g):
           slot_M[j * g + i] = free.pop(0)
           request_M[j * g + i] = b * g + i
           serving[int(slot_M[j * g + i])] = b * g + i
-      ids[len(group):], mask[len(group):] = ids[0], mask[0]  # padding rows: a copy of a real prompt
+      ids[len(admit):], mask[len(admit):] = ids[0], mask[0]  # padding rows: a copy of a real prompt
       state = prefill(params, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(slot_M),
                       jnp.asarray(request_M), jnp.asarray(budgets_N[request_M]), rng)
     running = np.asarray(state.running_S)
     if running.any():
       longest = int(np.asarray(state.cache.index)[running].max()) + chunk
-      kv_len = min(max_len, max(_MIN_KV, 1 << (longest - 1).bit_length()))
+      kv_len = min(max_len, prompt_bucket(longest, _MIN_KV))  # four bounds per doubling: few programs
       want = g if queue else slots  # return early only when a group could be admitted
       state = decode(params, state, rng, jnp.asarray(want, jnp.int32), kv_len=kv_len, chunk=chunk)
     running = np.asarray(state.running_S)
@@ -163,8 +163,8 @@ def _decode_program(graphdef, s: Settings):
       hidden, cache = lm.forward(st.token_S[:, None], positions=st.pos_S[:, None], cache=st.cache, layers=layers)
       cache = dataclasses.replace(cache, index=jnp.where(run_, cache.index, st.cache.index))
       new, logp = sample(lm.logits(hidden)[:, 0], row_keys(rng, st.request_S, st.step_S))
-      write = lambda buf, v: jnp.where(  # noqa: E731
-          run_[:, None] & (jnp.arange(s.max_new)[None] == st.step_S[:, None]), v[:, None], buf)
+      column = jnp.where(run_, st.step_S, s.max_new)  # finished slots write nowhere
+      write = lambda buf, v: buf.at[jnp.arange(buf.shape[0]), column].set(v, mode="drop")  # noqa: E731
       step = st.step_S + run_
       stopped = st.stopped_S | (run_ & s.stops(new))
       return i + 1, Slots(cache, jnp.where(run_, new, st.token_S), st.pos_S + run_, st.request_S, step,

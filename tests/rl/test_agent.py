@@ -78,7 +78,7 @@ def test_truncation_by_turn_and_episode_budgets():
   assert none.lengths.tolist() == [0, 0] and all(i["truncated"] and i["turns"] == 0 for i in none.info)
 
 
-def test_the_static_sampler_drives_the_tiny_policy():
+def test_the_sampler_drives_the_tiny_policy():
   """The shipped policy knows no tools (and its context has no room for their description): with none offered, one
   turn per episode, closed by its end-of-turn token, scored by the verifier; the sampler's log-probs sit on exactly
   the model's tokens."""
@@ -86,7 +86,7 @@ def test_the_static_sampler_drives_the_tiny_policy():
   tok = tokenizer.load(os.path.join(ROOT, "jalign", "assets", "arith_tokenizer"))
   source = open_source("synthetic:arith:test:8")
   records = [source[i] for i in range(8)]
-  sample = agent.static_sampler(lm, tok, jax.random.key(0), max_turn_tokens=16, temperature=1.0, pad_id=tok.pad_id)
+  sample = agent.sampler(lm, tok, jax.random.key(0), max_turn_tokens=16, temperature=1.0, pad_id=tok.pad_id)
   out = agent.rollout(lambda: env_lib.ToolEnv({}, reward="gsm8k", max_turns=2), tok, records, 2, sample,
                       max_turn_tokens=16, max_tokens=lm.cfg.max_position_embeddings)
   assert [i["turns"] for i in out.info] == [1] * 16 and out.metrics()["agent/tool_calls/mean"] == 0.0
