@@ -51,6 +51,7 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
     (dict(grpo__clip_c=0.5), r"config.grpo.clip_c=0.5: must be > 1"),
     (dict(grpo__env="chess"), r"config.grpo.env=.chess.: unknown environment; registered: answer, calculator, python"),
     (dict(sampling__temperature=0.0), r"GRPO needs sampled"),
+    (dict(sampling__slots=3), r"config.sampling.slots=3 cannot hold a group of sampling.num_samples=4"),
     (dict(grpo__adv_estimator="ppo"), r"config.grpo.adv_estimator: 'ppo' is not accepted; accepted: 'grpo', "
                                       r"'drgrpo', 'rloo', 'gae'"),
     (dict(grpo__prompts_per_step=3, grpo__mini_batches=1), r"12 completions per mini-batch do not split over "
