@@ -74,6 +74,12 @@ class GrpoSection:
   # min(pi_old / pi_behaviour, cap), the stored behaviour log-probs correcting for the data's staleness. 0 = off:
   # the clipped ratio is taken against the behaviour log-probs themselves.
   tis_imp_ratio_cap: float = bounded(0.0, ge=0)
+  # Asynchronous GRPO/PPO: step t trains on rollouts sampled by the policy of k updates before (version t-1-k), so
+  # the rollouts of steps t+1..t+k are generated while step t updates. Exactly k (not "up to k"), so a run is the
+  # same however the threads interleave and resumes bitwise (the in-flight rollouts are checkpointed). The stored
+  # sampler log-probs are the behaviour policy's: the clipped ratio is taken against them, or with
+  # tis_imp_ratio_cap against the policy before the update with truncated importance weights. 0 = synchronous.
+  async_staleness: int = bounded(0, ge=0)
   # Multi-turn: each sample is an episode of this environment (jalign.rl.env: "calculator", "python", "answer"),
   # turn by turn (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of
   # reward.weights; "" = one turn, scored by the whole reward section.
@@ -119,10 +125,14 @@ class GrpoSection:
       raise ConfigError(f"config.grpo.dynamic_sampling=True drops groups whose rewards are all equal: with "
                         f"sampling.num_samples={s.num_samples} every group would be dropped; set num_samples >= 2 or "
                         "dynamic_sampling=False")
-    if g.tis_imp_ratio_cap and not g.buffer:
+    if g.tis_imp_ratio_cap and not (g.buffer or g.async_staleness):
       raise ConfigError(f"config.grpo.tis_imp_ratio_cap={g.tis_imp_ratio_cap}: truncated importance weights need "
-                        "behaviour log-probs, which a replay buffer (grpo.buffer) stores; accepted: 0 (off) or a cap "
-                        "> 0 (e.g. 2.0) with grpo.buffer set")
+                        "behaviour log-probs of an older policy, which a replay buffer (grpo.buffer) or asynchronous "
+                        "rollouts (grpo.async_staleness > 0) store; accepted: 0 (off) or a cap > 0 (e.g. 2.0) with "
+                        "one of them")
+    if g.async_staleness and g.buffer:
+      raise ConfigError(f"config.grpo.async_staleness={g.async_staleness} overlaps generation with the update; "
+                        "offline training (grpo.buffer) generates nothing: set async_staleness=0")
     if g.adv_estimator == "remax" and g.buffer:
       raise ConfigError("config.grpo.adv_estimator='remax' samples a greedy baseline response per prompt while "
                         "training; a replay buffer (grpo.buffer) has none: use online training or another estimator")

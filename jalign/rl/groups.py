@@ -56,6 +56,21 @@ class Groups:
                   cat("loss_mask"), cat("counts"), cat("token_rewards"))
 
 
+  def to_json(self) -> dict:
+    """A JSON-able copy (arrays with their dtype and shape; float32 values round-trip exactly through JSON)."""
+    out = {"prompts": [dataclasses.asdict(p) for p in self.prompts], "size": self.size}
+    for f in dataclasses.fields(self)[2:]:
+      a = getattr(self, f.name)
+      out[f.name] = None if a is None else {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.ravel().tolist()}
+    return out
+
+  @classmethod
+  def from_json(cls, obj: dict) -> "Groups":
+    arrays = {f.name: None if obj[f.name] is None else np.asarray(obj[f.name]["data"], obj[f.name]["dtype"]).reshape(
+        obj[f.name]["shape"]) for f in dataclasses.fields(cls)[2:]}
+    return cls([Prompt(**p) for p in obj["prompts"]], obj["size"], **arrays)
+
+
 class OfflineBuffer:
   """Groups of a replay buffer written by the rollout task, served as GRPO steps (offline mode)."""
 

@@ -29,7 +29,8 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
-                       "config": ocp.JsonCheckpointHandler(), "extra": ocp.StandardCheckpointHandler()})
+                       "config": ocp.JsonCheckpointHandler(), "extra": ocp.StandardCheckpointHandler(),
+                       "host": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -56,12 +57,15 @@ class Checkpointer:
       self._manager.reload()
     return None
 
-  def save(self, step: int, state: Any, data_iterator, config: dict, extra: Any = None) -> None:
-    """`extra`: an objective's own state (e.g. a synced reference model), saved beside the train state."""
+  def save(self, step: int, state: Any, data_iterator, config: dict, extra: Any = None, host: Any = None) -> None:
+    """`extra`: an objective's own state (e.g. a synced reference model), saved beside the train state; `host`: its
+    host-side state as JSON (e.g. rollouts sampled for the next steps)."""
     items = dict(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
                  config=ocp.args.JsonSave(config))
     if extra is not None:
       items["extra"] = ocp.args.StandardSave(extra)
+    if host is not None:
+      items["host"] = ocp.args.JsonSave(host)
     self._seal_finished()
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
@@ -78,6 +82,12 @@ class Checkpointer:
     if saved_data is not None:
       data_iterator.set_state(remap_data_state(saved_data, data_iterator.get_state()))
     return out["state"] if abstract_extra is None else (out["state"], out["extra"])
+
+  def restore_host(self, step: int) -> Any:
+    """The host-side JSON state saved with `step` (None if it has none)."""
+    if not os.path.isdir(os.path.join(self.directory, str(step), "host")):
+      return None
+    return self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))["host"]
 
   def _data_states(self, step: int) -> list[dict] | None:
     """The data-reader states of a step saved by a different number of processes (None when it matches)."""

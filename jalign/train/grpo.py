@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grain
 import jax
@@ -38,6 +39,16 @@ from jalign.train.critic import Critic
 def _prompt_iterator(cfg: RunConfig, n: int):
   ds = grain.MapDataset.range(n).seed(cfg.seed).shuffle().repeat(None)
   return iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())
+
+
+@dataclasses.dataclass
+class Rollout:
+  """A step's sampled groups, the generation batches they took, the policy version that sampled them (updates
+  applied before) and the seconds sampling took."""
+  sampled: Groups
+  batches: int
+  version: int
+  seconds: float
 
 
 class GrpoTask(loop.Task):
@@ -104,6 +115,8 @@ class GrpoTask(loop.Task):
     self.step = 0
     self.last: dict = {}
     self.iterator = _prompt_iterator(cfg, len(self.stage))
+    self.in_flight: dict[int, Future | Rollout] = {}  # async: step -> its rollout, sampled or being sampled
+    self.generator = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if g.async_staleness else None
     return self.iterator
 
   def _update_fn(self, mini_batch_rows: int):
@@ -189,24 +202,63 @@ class GrpoTask(loop.Task):
               f"({(acc - self.initial['eval/accuracy']) * 100:+.1f} points); KL to reference {kl:.4f}")
     return f"step {step}: held-out {self.metric} accuracy {self._describe(now)}  KL to reference {kl:.4f}"
 
-  def train_step(self, state, step: int):
-    cfg, g, n = self.cfg, self.cfg.grpo, self.spec.num_samples
-    full, tok = self.setup.full, self.setup.tok
-    self.step = step
+  def _generate(self, params, step: int, version: int) -> Rollout:
+    """Step `step`'s groups, sampled by the policy `params` (after `version` updates)."""
+    g = self.cfg.grpo
     t0 = time.perf_counter()
     step_key = jax.random.fold_in(self.key, step - 1)
-    lm = self._policy(full(state.params))
+    lm = self._policy(params)
     batches = [self.stage.collect(lm, next(self.iterator), step_key)]
     if g.dynamic_sampling:  # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
       while sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step and len(batches) < g.max_gen_batches:
         batches.append(self.stage.collect(lm, next(self.iterator), jax.random.fold_in(step_key, len(batches) + 1)))
     sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
+    if g.async_staleness:  # sampled by an older policy: its log-probs are the behaviour policy's
+      sampled = dataclasses.replace(sampled, behaviour=sampled.sampler_logp)
+    return Rollout(sampled, len(batches), version, time.perf_counter() - t0)
+
+  def _rollout(self, state, step: int) -> tuple[Rollout, float]:
+    """This step's rollout and the seconds spent waiting for it. Synchronous: sampled now by the current policy.
+    With async_staleness k: first the rollouts up to step + k are submitted to the generation thread (each by the
+    policy as it is now, version step - 1), then this step's, submitted k steps ago, is awaited."""
+    k, full = self.cfg.grpo.async_staleness, self.setup.full
+    if not k:
+      return self._generate(full(state.params), step, step - 1), 0.0
+    snapshot = None
+    for later in range(step, min(step + k, self.cfg.train.steps) + 1):
+      if later not in self.in_flight:
+        if snapshot is None:  # the update donates the state's buffers: the thread samples from a copy
+          snapshot = jax.tree.map(jnp.copy, full(state.params))
+        self.in_flight[later] = self.generator.submit(self._generate, snapshot, later, step - 1)
+    t0 = time.perf_counter()
+    rollout = self.in_flight.pop(step)
+    return (rollout.result() if isinstance(rollout, Future) else rollout), time.perf_counter() - t0
+
+  def host_state(self):
+    """The rollouts sampled for the next steps (async): checkpointed, so a resumed run trains on the same ones."""
+    if not self.cfg.grpo.async_staleness:
+      return None
+    done = {s: r.result() if isinstance(r, Future) else r for s, r in self.in_flight.items()}
+    self.in_flight = dict(done)
+    return {str(s): {"groups": r.sampled.to_json(), "batches": r.batches, "version": r.version,
+                     "seconds": r.seconds} for s, r in sorted(done.items())}
+
+  def load_host_state(self, obj) -> None:
+    self.in_flight = {int(s): Rollout(Groups.from_json(r["groups"]), r["batches"], r["version"], r["seconds"])
+                      for s, r in obj.items()}
+
+  def train_step(self, state, step: int):
+    cfg, g, n = self.cfg, self.cfg.grpo, self.spec.num_samples
+    full, tok = self.setup.full, self.setup.tok
+    self.step = step
+    t0 = time.perf_counter()
+    rollout, waited = self._rollout(state, step)
+    sampled = rollout.sampled
     signal = sampled.informative()
     trained = sampled
     if self.compact_unit:  # leave out the groups the loss would mask: the same loss for less work
       kept = -(-int(signal.sum()) // self.compact_unit) * self.compact_unit
       trained = Groups.select([sampled], max(kept, self.compact_unit))
-    t_gen = time.perf_counter() - t0
 
     batch = update_rows(trained, tok.pad_id)
     response_mask = batch["response_mask"]
@@ -268,9 +320,11 @@ class GrpoTask(loop.Task):
     metrics.update({"critic/score/mean": float(np.mean(sampled.scores)),
                     "response_length/mean": float(np.mean(sampled.lengths)),
                     "actor/informative_groups": float(np.mean(signal)),
-                    "timing_s/gen": t_gen, "timing_s/update": time.perf_counter() - t1,
-                    "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": len(batches),
+                    "timing_s/gen": rollout.seconds, "timing_s/update": time.perf_counter() - t1,
+                    "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": rollout.batches,
                     "actor/update_groups": len(trained.prompts)})
+    if g.async_staleness:
+      metrics.update({"rollout/policy_lag": float(step - 1 - rollout.version), "timing_s/gen_wait": waited})
     signals, warnings = self.monitors.after_step(step, metrics, _example(trained, tok, self.rewards)
                                                  if no_signal else "")
     metrics.update(signals)

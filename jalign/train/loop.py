@@ -149,6 +149,13 @@ class Task:
   def load_extra_state(self, tree) -> None:
     pass
 
+  def host_state(self):
+    """JSON-able host-side state checkpointed with the train state (None = nothing)."""
+    return None
+
+  def load_host_state(self, obj) -> None:
+    pass
+
   def export(self, module: nnx.Module, out_dir: str, tok) -> None:
     models.save_pretrained(module, out_dir, tokenizer=tok)
 
@@ -258,6 +265,9 @@ def run(cfg: RunConfig, task: Task) -> dict:
     else:
       state, extra = ckpt.restore(latest, abstract_like(state), iterator, abstract_extra=abstract_like(extra))
       task.load_extra_state(extra)
+    host = ckpt.restore_host(latest)
+    if host is not None:
+      task.load_host_state(host)
     start = latest
   config_dict = as_dict(cfg)
   writer = MetricsWriter(cfg.log, cfg.run_dir, cfg.train.steps, start, config_dict)
@@ -279,7 +289,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
     return out
 
   def save(step: int):
-    ckpt.save(step, state, iterator, config_dict, extra=task.extra_state())
+    ckpt.save(step, state, iterator, config_dict, extra=task.extra_state(), host=task.host_state())
 
   def flush(step: int, out: StepOut) -> dict:
     nonlocal last_time

@@ -62,7 +62,10 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
     (dict(grpo__adv_estimator="remax", grpo__buffer="runs/x"), r"'remax' samples a greedy baseline .* a replay "
                                                                r"buffer \(grpo.buffer\) has none"),
     (dict(grpo__tis_imp_ratio_cap=2.0), r"config.grpo.tis_imp_ratio_cap=2.0: truncated importance weights need "
-                                        r"behaviour log-probs, which a replay buffer \(grpo.buffer\) stores"),
+                                        r"behaviour log-probs of an older policy, which a replay buffer "
+                                        r"\(grpo.buffer\) or asynchronous rollouts \(grpo.async_staleness > 0\)"),
+    (dict(grpo__async_staleness=1, grpo__buffer="runs/x"), r"config.grpo.async_staleness=1 overlaps generation "
+                                                           r"with the update; offline training"),
     (dict(grpo__dynamic_sampling=False, grpo__max_gen_batches=2), r"config.grpo.max_gen_batches=2: .* only with "
                                                                   r"grpo.dynamic_sampling=True"),
     (dict(grpo__compact_sizes=3), r"config.grpo.compact_sizes=3: needs grpo.dynamic_sampling=True .* must divide "
