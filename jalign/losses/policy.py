@@ -145,12 +145,37 @@ def policy_loss_matrix(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip
   raise ValueError(f"policy loss mode {mode!r}; accepted: {', '.join(POLICY_MODES)}")
 
 
-def truncated_is_weights(old_logp, behaviour_logp, cap: float):
-  """Per-token truncated importance weights min(pi_old / pi_behaviour, cap), gradient stopped: TIS (Yao et al.
-  2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's `tis_imp_ratio_cap`
-  multiplies the clipped per-token loss by them). They correct for data sampled by an older or different policy."""
-  log_w = jnp.clip(old_logp - behaviour_logp, -20.0, 20.0)
-  return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), cap))
+ROLLOUT_LEVELS = ("token", "sequence")
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
+
+
+def rollout_correction(old_logp, behaviour_logp, mask, *, is_level: str = "", is_threshold: float = 2.0,
+                       rs_level: str = "", rs_upper: float = 2.0, rs_lower: float = 0.5):
+  """Corrections for data sampled by another policy (verl's `algorithm.rollout_correction`, 0.6): importance weights
+  and a keep mask [N, R], gradient stopped, from the log-ratio of the policy before the update to the behaviour
+  policy. `is_level` (verl `rollout_is`): "token" = min(pi_old / pi_behaviour, threshold) per token (TIS; Yao et al.
+  2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"), "sequence" = min(prod over the
+  response, threshold) on each of its tokens, "" = 1. `rs_level` (verl `rollout_rs`, masked importance sampling):
+  tokens ("token"), or whole responses by the product ("sequence") or geometric mean ("geometric") of their
+  ratios, outside [rs_lower, rs_upper] are masked out of the loss; "" keeps all."""
+  log_ratio = jnp.clip(old_logp - behaviour_logp, -20.0, 20.0) * mask
+  seq_log = jnp.sum(log_ratio, axis=-1, keepdims=True)
+  weights = jnp.ones_like(log_ratio)
+  if is_level == "token":
+    weights = jnp.minimum(jnp.exp(log_ratio), is_threshold)
+  elif is_level == "sequence":
+    weights = jnp.broadcast_to(jnp.minimum(jnp.exp(jnp.clip(seq_log, -20.0, 20.0)), is_threshold), log_ratio.shape)
+  elif is_level:
+    raise ValueError(f"rollout_is {is_level!r}; accepted: {', '.join(ROLLOUT_LEVELS)} or ''")
+  keep = jnp.ones_like(log_ratio)
+  if rs_level:
+    if rs_level not in ROLLOUT_RS_LEVELS:
+      raise ValueError(f"rollout_rs {rs_level!r}; accepted: {', '.join(ROLLOUT_RS_LEVELS)} or ''")
+    by = {"token": log_ratio, "sequence": seq_log,
+          "geometric": seq_log / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)}[rs_level]
+    inside = (by >= jnp.log(rs_lower)) & (by <= jnp.log(rs_upper))
+    keep = jnp.broadcast_to(inside, log_ratio.shape).astype(log_ratio.dtype)
+  return jax.lax.stop_gradient(weights), jax.lax.stop_gradient(keep)
 
 
 def policy_loss(logp, old_logp, adv, mask, *, agg: str = "token-mean", mode: str = "vanilla", **mode_args):

@@ -4,10 +4,11 @@ Batch layout (all [N, ...]): `tokens` [N, P+R] = left-padded prompt then respons
 forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R] (without
 `ref_logp`, as when the KL coefficient is 0, the loss has no KL term and reports no KL). Without
 `old_logp` the update is on-policy (one epoch, one mini-batch): the old policy is the current one, so its log-probs
-are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. With
-`tis_cap` > 0 the batch also holds `behaviour_logp` [N, R], the log-probs of the policy that sampled the data (a
-replay buffer's), and each token's clipped loss is weighted by min(pi_old / pi_behaviour, tis_cap). The
-loss comes back as (numerator, denominator) so the train step normalises over the global batch.
+are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. With a
+rollout correction (`rollout_is` / `rollout_rs`) the batch also holds `behaviour_logp` [N, R], the log-probs of the
+policy that sampled the data (a replay buffer's, or an asynchronous rollout's), and each token's clipped loss is
+weighted and masked by `losses.policy.rollout_correction`. The loss comes back as (numerator, denominator) so the
+train step normalises over the global batch.
 """
 from __future__ import annotations
 
@@ -38,7 +39,15 @@ class GrpoLossConfig:
   norm_rows: int = 0                 # seq-mean-token-sum-norm's B (0: global_rows); see losses.policy
   horizon: int = 0                   # seq-mean-token-sum-norm's T (0: the padded response length)
   group_size: int = 0                # > 1: rows come in groups of this many samples of one prompt (see below)
-  tis_cap: float = 0.0               # > 0: truncated importance weights against `behaviour_logp`
+  rollout_is: str = ""               # "token" / "sequence": truncated importance weights against `behaviour_logp`
+  rollout_is_threshold: float = 2.0
+  rollout_rs: str = ""               # "token" / "sequence" / "geometric": mask what strays outside the bounds
+  rollout_rs_threshold: float = 2.0
+  rollout_rs_threshold_lower: float = 0.5
+
+  @property
+  def corrects(self) -> bool:
+    return bool(self.rollout_is or self.rollout_rs)
 
 
 def response_logprobs(graphdef, params, batch: dict, temperature: float,
@@ -61,11 +70,16 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, logprobs, cfg.group_size)
     mask = batch["response_mask"].astype(jnp.float32)
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    if cfg.corrects:
+      weights, keep = policy.rollout_correction(
+          old_logp, batch["behaviour_logp"], mask, is_level=cfg.rollout_is, is_threshold=cfg.rollout_is_threshold,
+          rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold, rs_lower=cfg.rollout_rs_threshold_lower)
+      response_mask = mask
+      mask = mask * keep  # verl: rejected tokens leave the loss and its denominator
     pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
                                             mode=cfg.mode, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
-    if cfg.tis_cap:
-      weights = policy.truncated_is_weights(old_logp, batch["behaviour_logp"], cfg.tis_cap)
+    if cfg.corrects:
       pg = pg * weights
     kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind) if "ref_logp" in batch else None
     total = (pg if kl is None else pg + cfg.kl_coef * kl) - cfg.entropy_coef * entropy
@@ -77,9 +91,13 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     sums = {"actor/pg_loss": policy.aggregate_parts(pg, mask, agg, **norm)[0],
             "actor/entropy": jnp.sum(entropy * mask) * per_token,
             "actor/pg_clipfrac": metrics["pg_clipfrac"] * den, "actor/ppo_kl": metrics["ppo_kl"] * den}
-    if cfg.tis_cap:  # verl's names; the mean is of the truncated weights, the fraction of those at the cap
+    if cfg.rollout_is:  # verl's names; the mean is of the truncated weights, the fraction of those at the cap
       sums["mismatch/rollout_is_mean"] = jnp.sum(weights * mask) * per_token
-      sums["mismatch/rollout_is_ratio_fraction_high"] = jnp.sum((weights >= cfg.tis_cap) * mask) * per_token
+      sums["mismatch/rollout_is_ratio_fraction_high"] = jnp.sum((weights >= cfg.rollout_is_threshold) * mask) * \
+          per_token
+    if cfg.rollout_rs:  # the share of the response tokens masked out
+      sums["mismatch/rollout_rs_masked_fraction"] = jnp.sum((1.0 - keep) * response_mask) * den / jnp.maximum(
+          jnp.sum(response_mask), 1.0)
     if kl is not None:
       sums["actor/kl_loss"] = jnp.sum(kl * mask) * per_token
     return num, den, sums

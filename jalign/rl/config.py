@@ -69,11 +69,17 @@ class GrpoSection:
   # (the KL / entropy terms alone would only pull the policy toward the reference), "update" runs it as peers do
   no_signal: Literal["skip", "update"] = "skip"
   no_signal_warn_steps: int = bounded(5, ge=0)  # warn once when the run's first N steps all carried no signal; 0 = off
-  # Offline: truncated importance sampling (TIS; Yao et al. 2025, verl actor.tis_imp_ratio_cap). > 0: the clipped
-  # ratio is taken against the policy as it was before the step's update, and each token's loss is weighted by
-  # min(pi_old / pi_behaviour, cap), the stored behaviour log-probs correcting for the data's staleness. 0 = off:
-  # the clipped ratio is taken against the behaviour log-probs themselves.
-  tis_imp_ratio_cap: float = bounded(0.0, ge=0)
+  # Rollout corrections for data sampled by an older or different policy (offline buffers, asynchronous rollouts),
+  # by verl's names (algorithm.rollout_correction, 0.6): the clipped ratio is then taken against the policy as it was
+  # before the step's update, and `rollout_is` weights each token's loss by the truncated importance ratio to the
+  # behaviour policy (per token: TIS, Yao et al. 2025; or per sequence), `rollout_rs` masks tokens or whole
+  # responses whose ratio (per token, sequence product, or geometric mean) leaves [threshold_lower, threshold].
+  # Both "" = off: the clipped ratio is taken against the behaviour log-probs themselves.
+  rollout_is: Literal["", "token", "sequence"] = ""
+  rollout_is_threshold: float = bounded(2.0, gt=0)
+  rollout_rs: Literal["", "token", "sequence", "geometric"] = ""
+  rollout_rs_threshold: float = bounded(2.0, gt=0)
+  rollout_rs_threshold_lower: float = bounded(0.5, gt=0)
   # Asynchronous GRPO/PPO: step t trains on rollouts sampled by the policy of k updates before (version t-1-k), so
   # the rollouts of steps t+1..t+k are generated while step t updates. Exactly k (not "up to k"), so a run is the
   # same however the threads interleave and resumes bitwise (the in-flight rollouts are checkpointed). The stored
@@ -125,11 +131,14 @@ class GrpoSection:
       raise ConfigError(f"config.grpo.dynamic_sampling=True drops groups whose rewards are all equal: with "
                         f"sampling.num_samples={s.num_samples} every group would be dropped; set num_samples >= 2 or "
                         "dynamic_sampling=False")
-    if g.tis_imp_ratio_cap and not (g.buffer or g.async_staleness):
-      raise ConfigError(f"config.grpo.tis_imp_ratio_cap={g.tis_imp_ratio_cap}: truncated importance weights need "
-                        "behaviour log-probs of an older policy, which a replay buffer (grpo.buffer) or asynchronous "
-                        "rollouts (grpo.async_staleness > 0) store; accepted: 0 (off) or a cap > 0 (e.g. 2.0) with "
-                        "one of them")
+    if (g.rollout_is or g.rollout_rs) and not (g.buffer or g.async_staleness):
+      key = f"rollout_is={g.rollout_is!r}" if g.rollout_is else f"rollout_rs={g.rollout_rs!r}"
+      raise ConfigError(f"config.grpo.{key}: rollout corrections need behaviour log-probs of an older policy, "
+                        "which a replay buffer (grpo.buffer) or asynchronous rollouts (grpo.async_staleness > 0) "
+                        "store; accepted: '' (off), or a level with one of them")
+    if g.rollout_rs and g.rollout_rs_threshold_lower >= g.rollout_rs_threshold:
+      raise ConfigError(f"config.grpo.rollout_rs_threshold_lower={g.rollout_rs_threshold_lower} must be below "
+                        f"rollout_rs_threshold={g.rollout_rs_threshold}")
     if g.async_staleness and g.buffer:
       raise ConfigError(f"config.grpo.async_staleness={g.async_staleness} overlaps generation with the update; "
                         "offline training (grpo.buffer) generates nothing: set async_staleness=0")

@@ -83,7 +83,9 @@ class GrpoTask(loop.Task):
     self.loss_cfg = objective.GrpoLossConfig(
         clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode, agg=g.agg,
         kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind, entropy_coef=g.entropy_coef,
-        temperature=s.temperature, group_size=self.group_size, tis_cap=g.tis_imp_ratio_cap,
+        temperature=s.temperature, group_size=self.group_size, rollout_is=g.rollout_is,
+        rollout_is_threshold=g.rollout_is_threshold, rollout_rs=g.rollout_rs,
+        rollout_rs_threshold=g.rollout_rs_threshold, rollout_rs_threshold_lower=g.rollout_rs_threshold_lower,
         norm_rows=self.rows // g.mini_batches, tau_pos=g.tau_pos, tau_neg=g.tau_neg, horizon=g.loss_scale_factor)
     # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
     self.compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
@@ -262,11 +264,11 @@ class GrpoTask(loop.Task):
 
     batch = update_rows(trained, tok.pad_id)
     response_mask = batch["response_mask"]
-    # Offline, the clipped ratio is taken against the stored behaviour log-probs, or (TIS) against the policy before
-    # this step's update, the behaviour log-probs then giving each token's truncated importance weight.
-    old_is_current = trained.behaviour is None or bool(g.tis_imp_ratio_cap)
+    # Offline or asynchronous, the clipped ratio is taken against the stored behaviour log-probs, or (a rollout
+    # correction) against the policy before this step's update, the behaviour log-probs then weighting or masking.
+    old_is_current = trained.behaviour is None or self.loss_cfg.corrects
     if trained.behaviour is not None:
-      batch["behaviour_logp" if g.tis_imp_ratio_cap else "old_logp"] = trained.behaviour
+      batch["behaviour_logp" if self.loss_cfg.corrects else "old_logp"] = trained.behaviour
     device_batch = loop.global_from_full(batch, self.batch_sharding)
     if old_is_current and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
       device_batch["old_logp"] = self.logprobs(full(state.params), device_batch)  # else on-policy: objectives.grpo

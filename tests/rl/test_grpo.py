@@ -61,9 +61,13 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
                                                                         r"sampling.num_samples=1 every group"),
     (dict(grpo__adv_estimator="remax", grpo__buffer="runs/x"), r"'remax' samples a greedy baseline .* a replay "
                                                                r"buffer \(grpo.buffer\) has none"),
-    (dict(grpo__tis_imp_ratio_cap=2.0), r"config.grpo.tis_imp_ratio_cap=2.0: truncated importance weights need "
-                                        r"behaviour log-probs of an older policy, which a replay buffer "
-                                        r"\(grpo.buffer\) or asynchronous rollouts \(grpo.async_staleness > 0\)"),
+    (dict(grpo__rollout_is="token"), r"config.grpo.rollout_is='token': rollout corrections need behaviour log-probs "
+                                     r"of an older policy, which a replay buffer \(grpo.buffer\) or asynchronous "
+                                     r"rollouts \(grpo.async_staleness > 0\)"),
+    (dict(grpo__rollout_rs="tokens"), r"config.grpo.rollout_rs: 'tokens' is not accepted; accepted: '', 'token', "
+                                      r"'sequence', 'geometric'"),
+    (dict(grpo__async_staleness=1, grpo__rollout_rs="token", grpo__rollout_rs_threshold_lower=3.0),
+     r"rollout_rs_threshold_lower=3.0 must be below rollout_rs_threshold=2.0"),
     (dict(grpo__async_staleness=1, grpo__buffer="runs/x"), r"config.grpo.async_staleness=1 overlaps generation "
                                                            r"with the update; offline training"),
     (dict(grpo__dynamic_sampling=False, grpo__max_gen_batches=2), r"config.grpo.max_gen_batches=2: .* only with "
@@ -196,7 +200,7 @@ def test_offline_grpo_reads_the_rollout_buffer(tmp_path):
   # ppo_kl 0) and the behaviour log-probs weight the tokens: at step 1 the policy is the one that wrote the buffer,
   # so the weights are 1 up to the sampler's and the training forward's rounding.
   _run(tmp_path / "tis", f"--config.grpo.buffer={tmp_path / 'rollout' / 'buffer'}", "--config.grpo.mini_batches=1",
-       "--config.grpo.tis_imp_ratio_cap=2.0", "--config.train.steps=2",
+       "--config.grpo.rollout_is=token", "--config.train.steps=2",
        "--config.grpo.eval_prompts=")
   steps = [json.loads(l) for l in open(tmp_path / "tis" / "metrics.jsonl") if "actor/pg_loss" in l]
   assert len(steps) == 2 and all(r["actor/ppo_kl"] == 0.0 for r in steps)
@@ -258,7 +262,7 @@ def test_on_policy_update_skips_the_old_policy_forward():
 
 
 def test_truncated_importance_weights_scale_each_tokens_loss():
-  """TIS (verl tis_imp_ratio_cap): the clipped per-token loss times min(exp(old - behaviour), cap), token-mean, the
+  """TIS (verl rollout_is=token): the clipped per-token loss times min(exp(old - behaviour), cap), token-mean, the
   weights carrying no gradient. On-policy (no `old_logp`) that is the plain loss with advantages scaled by the
   weights; with `old_logp` from an earlier policy it is NumPy's clipped surrogate times the weights."""
   from jalign.objectives import grpo
@@ -272,7 +276,7 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
   weights = np.minimum(np.exp(logp - behaviour), 1.5)
   mask = np.asarray(batch["response_mask"], np.float32)
   assert (weights[mask > 0] == 1.5).any() and (weights[mask > 0] < 1.0).any()
-  cfg = grpo.GrpoLossConfig(kl_coef=0.0, tis_cap=1.5)
+  cfg = grpo.GrpoLossConfig(kl_coef=0.0, rollout_is="token", rollout_is_threshold=1.5)
   tis = {**batch, "behaviour_logp": jnp.asarray(behaviour, jnp.float32)}
   scaled = {**batch, "advantages": batch["advantages"] * weights}
   a = jax.value_and_grad(lambda prm: (lambda o: o[0] / o[1])(grpo.make_loss_fn(graphdef, cfg)(prm, tis)))(params)
@@ -289,6 +293,49 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
   np.testing.assert_allclose(num / den, (per_token * mask).sum() / mask.sum(), rtol=1e-4)
   np.testing.assert_allclose(sums["mismatch/rollout_is_mean"] / den,
                              (np.minimum(np.exp(old - behaviour), 1.5) * mask).sum() / mask.sum(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("is_level, rs_level", [("sequence", ""), ("", "token"), ("", "sequence"), ("", "geometric"),
+                                                ("token", "geometric")])
+def test_rollout_corrections_equal_numpy(is_level, rs_level):
+  """verl's rollout corrections (algorithm.rollout_correction, 0.6) from their definitions: sequence-level truncated
+  IS weights every token by min(prod of the response's ratios, threshold); rejection masks tokens, or whole
+  responses by the product or geometric mean of their ratios, outside [lower, upper], in the loss and its
+  denominator."""
+  from jalign.objectives import grpo
+
+  graphdef, params = _tiny_model()
+  rng = np.random.RandomState(2)
+  batch = _tiny_batch(rng)
+  n, r = batch["response"].shape
+  logp = np.asarray(grpo.response_logprobs(graphdef, params, batch, 1.0)[0], np.float64)
+  mask = np.asarray(batch["response_mask"], np.float64)
+  old = logp + rng.randn(n, r) * 0.2
+  behaviour = old + rng.randn(n, r) * 0.4
+  log_ratio = (old - behaviour) * mask
+  seq = log_ratio.sum(1, keepdims=True)
+  weights = np.ones_like(old)
+  if is_level == "token":
+    weights = np.minimum(np.exp(log_ratio), 2.0)
+  elif is_level == "sequence":
+    weights = np.broadcast_to(np.minimum(np.exp(seq), 2.0), old.shape)
+  by = {"": None, "token": log_ratio, "sequence": seq, "geometric": seq / mask.sum(1, keepdims=True)}[rs_level]
+  keep = np.ones_like(old) if by is None else np.broadcast_to((by >= np.log(0.8)) & (by <= np.log(1.25)), old.shape)
+  kept = mask * keep
+  assert 0 < kept.sum() < mask.sum() or not rs_level  # the bounds cut something, not everything
+  ratio = np.exp(logp - old)
+  adv = np.asarray(batch["advantages"], np.float64)
+  per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28)) * weights
+  cfg = grpo.GrpoLossConfig(kl_coef=0.0, rollout_is=is_level, rollout_rs=rs_level, rollout_rs_threshold=1.25,
+                            rollout_rs_threshold_lower=0.8)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+  num, den, sums = grpo.make_loss_fn(graphdef, cfg)(params, {**batch, "old_logp": f32(old),
+                                                             "behaviour_logp": f32(behaviour)})
+  np.testing.assert_allclose(den, kept.sum(), rtol=1e-6)
+  np.testing.assert_allclose(num / den, (per_token * kept).sum() / kept.sum(), rtol=1e-4)
+  if rs_level:
+    np.testing.assert_allclose(sums["mismatch/rollout_rs_masked_fraction"] / den, 1 - kept.sum() / mask.sum(),
+                               rtol=1e-5)
 
 
 def test_kl_bound_can_lower_the_learning_rate_instead_of_stopping(tmp_path):
