@@ -1,6 +1,7 @@
 """On-policy by construction: the sampler's log-probs of the tokens it drew equal the trainer's forward over the same
 rows (GRPO's `objectives.grpo.response_logprobs` on `rl.rollout.model_rows`) in fp32, whatever else shares the batch
-(other prompts, other prompt widths, other orders), and GRPO logs the difference every logged step."""
+(other prompts, other prompt widths, other orders, other cache slots), and GRPO logs the difference every logged step."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,6 +56,13 @@ def test_sampler_logprobs_equal_the_trainers_for_any_batch_composition():
     got = _trainer_logp(lm, part, tok.pad_id, 0.8)
     np.testing.assert_allclose(np.where(mask[rows], got, 0), np.where(mask[rows], sampled.logprobs[rows], 0),
                                atol=1e-5)
+
+  # Sampled on fewer cache slots (continuous batching: requests refill slots that served others), the same
+  # completions (keys are per request) with log-probs equal to the trainer's.
+  for slots in (3, 7):
+    engine = rollout.sample(lm, tok, prompts, jax.random.key(0), dataclasses.replace(spec, slots=slots))
+    np.testing.assert_array_equal(engine.tokens, sampled.tokens)
+    np.testing.assert_allclose(np.where(mask, engine.logprobs, 0), np.where(mask, whole, 0), atol=1e-5)
 
 
 def test_logprob_agreement_masks_padding():
