@@ -2,6 +2,8 @@
 
     python -m jalign.run --config=configs/grpo.py           # minutes on 2 CPU cores; prints held-out accuracy
     python -m jalign.run --config=configs/grpo.py:tiny      # seconds, for tests
+    # asynchronous: each step trains on rollouts of the policy one update older, sampled during the previous update
+    python -m jalign.run --config=configs/grpo.py --config.grpo.async_staleness=1
     # offline, from a replay buffer written by configs/rollout.py (same num_samples):
     python -m jalign.run --config=configs/grpo.py --config.grpo.buffer=runs/rollout/buffer
 """
