@@ -7,7 +7,8 @@ forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_lo
 are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. With a
 rollout correction (`rollout_is` / `rollout_rs`) the batch also holds `behaviour_logp` [N, R], the log-probs of the
 policy that sampled the data (a replay buffer's, or an asynchronous rollout's), and each token's clipped loss is
-weighted and masked by `losses.policy.rollout_correction`. The loss comes back as (numerator, denominator) so the
+weighted and masked by `losses.policy.rollout_correction` (against `kept_logp` where the sampler filtered its
+distribution: the old policy's log-probs renormalised over the same kept set, `kept_logprobs`). The loss comes back as (numerator, denominator) so the
 train step normalises over the global batch.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flax import nnx
 
 from jalign import kernels
 from jalign.losses import policy
+from jalign.sampling.filters import filter_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,24 @@ def response_logprobs(graphdef, params, batch: dict, temperature: float,
   return logp, entropy
 
 
+def kept_logprobs(graphdef, params, batch: dict, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0, group_size: int = 0):
+  """Log-probs [N, R] of the response tokens under the model with the sampler's filters (top-k, top-p, min-p) applied
+  to its own logits and renormalised over the tokens they keep: the distribution the sampler's behaviour log-probs
+  are of, so an importance ratio compares like with like (against the full softmax it would be off by the kept mass;
+  TRL#6789). Row by row: a row's [R, V] logits are the largest array."""
+  lm = nnx.merge(graphdef, params)
+  hidden = lm.response_hidden(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                              response_len=batch["response"].shape[1], group_size=group_size)
+
+  def row(args):
+    hidden_RxD, tokens_R = args
+    logits = filter_logits(lm.logits(hidden_RxD[None])[0], temperature=temperature, top_k=top_k, top_p=top_p,
+                           min_p=min_p)
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens_R[:, None], -1)[:, 0]
+  return jax.lax.map(row, (hidden, batch["response"]))
+
+
 def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   def loss_fn(params, batch):
     logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, logprobs, cfg.group_size)
@@ -72,7 +92,7 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     if cfg.corrects:
       weights, keep = policy.rollout_correction(
-          old_logp, batch["behaviour_logp"], mask, is_level=cfg.rollout_is, is_threshold=cfg.rollout_is_threshold,
+          batch.get("kept_logp", old_logp), batch["behaviour_logp"], mask, is_level=cfg.rollout_is, is_threshold=cfg.rollout_is_threshold,
           rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold, rs_lower=cfg.rollout_rs_threshold_lower)
       response_mask = mask
       mask = mask * keep  # verl: rejected tokens leave the loss and its denominator

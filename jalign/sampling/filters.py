@@ -19,6 +19,27 @@ def row_keys(rng: jax.Array, request_B: jax.Array, step_B: jax.Array) -> jax.Arr
   return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(request_B, step_B)
 
 
+def filter_logits(logits_BxV: jax.Array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> jax.Array:
+  """logits / temperature with the tokens outside the kept set (top-k, then top-p, then min-p) at -1e30: the
+  distribution a draw comes from, and (on the trainer's logits) the same kept set for importance ratios."""
+  logits = logits_BxV.astype(jnp.float32) / temperature
+  if top_k and top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, _NEG, logits)
+  if top_p < 1.0:
+    # Keep the smallest set of most likely tokens whose probability reaches top_p (always at least one).
+    sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+    cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, _NEG, logits)
+  if min_p > 0.0:
+    probs = jax.nn.softmax(logits, axis=-1)
+    logits = jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), _NEG, logits)
+  return logits
+
+
 def sample_logits(logits_BxV: jax.Array, keys_B: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0, min_p: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """(token_B int32, logprob_B float32); `keys_B`: one key per row (`row_keys`)."""
@@ -27,21 +48,8 @@ def sample_logits(logits_BxV: jax.Array, keys_B: jax.Array, *, temperature: floa
     token = jnp.argmax(logits, axis=-1)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
-  logits = logits / temperature
-  if top_k and top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, _NEG, logits)
-  if top_p < 1.0:
-    # Keep the smallest set of most likely tokens whose probability reaches top_p (always at least one).
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
-    cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, _NEG, logits)
-  if min_p > 0.0:
-    probs = jax.nn.softmax(logits, axis=-1)
-    logits = jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), _NEG, logits)
-  logp = jax.nn.log_softmax(logits, axis=-1)
+  logp = jax.nn.log_softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+                            axis=-1)
   # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry (jax.random.categorical),
   # ~3x cheaper per decode step on CPU. The draw is never exactly 0, so a zero-probability token is never chosen.
   cdf = jnp.cumsum(jnp.exp(logp), axis=-1)

@@ -100,6 +100,12 @@ class GrpoTask(loop.Task):
     logprobs_fn = lambda params, batch: objective.response_logprobs(  # noqa: E731
         graphdef, params, batch, s.temperature, cfg.logprobs, self.group_size)[0]
     self.logprobs = jax.jit(logprobs_fn)
+    # Sampling filtered its distribution (top-k / top-p / min-p): the behaviour log-probs are over the kept set, so
+    # the trainer's side of a rollout correction and of the agreement metric is renormalised over the same set.
+    self.filtered = bool(s.top_k or s.top_p < 1 or s.min_p > 0)
+    self.kept_logprobs = jax.jit(lambda params, batch: objective.kept_logprobs(
+        graphdef, params, batch, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        group_size=self.group_size), out_shardings=self.batch_sharding)  # lax.map's result would be replicated
     self.reference = setup.reference()
     self.ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, self.reference)) if cfg.model.offload_reference \
         else self.logprobs
@@ -283,9 +289,14 @@ class GrpoTask(loop.Task):
       kl_to_ref = (current, self.ref_logprobs(self.reference, device_batch))
     agreement = {}
     rollout_logp = trained.behaviour if trained.behaviour is not None else trained.sampler_logp
+    kept = None
+    if self.filtered and rollout_logp is not None and (self.loss_cfg.corrects or logs):
+      kept = self.kept_logprobs(full(state.params), device_batch)
+      if self.loss_cfg.corrects:
+        device_batch["kept_logp"] = kept
     if logs and rollout_logp is not None:  # the sampler's log-probs against the trainer's, same tokens and weights
-      current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
-          kl_to_ref[0] if kl_to_ref is not None else self.logprobs(full(state.params), device_batch)
+      current = kept if kept is not None else device_batch["old_logp"] if old_is_current and "old_logp" in \
+          device_batch else kl_to_ref[0] if kl_to_ref is not None else self.logprobs(full(state.params), device_batch)
       agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
     groups = np.repeat(np.arange(len(trained.prompts)), n)

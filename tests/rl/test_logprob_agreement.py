@@ -85,3 +85,35 @@ def test_grpo_logs_rollout_agreement(tmp_path):
   steps = [r for r in rows if "rollout/logprob_abs_diff_max" in r]
   assert [r["step"] for r in steps] == [1, 2]
   assert all(0 <= r["rollout/logprob_abs_diff_mean"] <= r["rollout/logprob_abs_diff_max"] < 1e-4 for r in steps)
+
+
+def test_filtered_sampling_is_compared_over_the_same_kept_set(tmp_path):
+  """With top-k / top-p the sampler's log-probs are over the tokens it kept; the trainer's full softmax differs from
+  them by the kept mass (the bias TRL#6789 documents), its log-probs renormalised over the same set do not."""
+  lm = models.from_pretrained(os.path.join(ASSETS, "tiny_policy"))
+  tok = tokenizer.load(os.path.join(ASSETS, "arith_tokenizer"))
+  source = open_source("synthetic:arith:test:8")
+  prompts = [encode_prompt(source[i], tok, index=i, where=source.where(i), max_length=64) for i in range(8)]
+  spec = rollout.SamplingSection(max_new_tokens=10, temperature=1.3, top_k=6, top_p=0.9, num_samples=3)
+  sampled = rollout.sample(lm, tok, prompts, jax.random.key(1), spec)
+  mask = np.arange(sampled.tokens.shape[1])[None] < sampled.lengths[:, None]
+  graphdef, params = nnx.split(lm)
+  batch = {k: jax.numpy.asarray(v) for k, v in rollout.model_rows(*sampled.prompt_arrays(tok.pad_id), sampled.tokens,
+                                                                 sampled.lengths).items()}
+  kept = np.asarray(objective.kept_logprobs(graphdef, params, batch, temperature=1.3, top_k=6, top_p=0.9))
+  full = _trainer_logp(lm, sampled, tok.pad_id, 1.3)
+  np.testing.assert_allclose(np.where(mask, kept, 0), np.where(mask, sampled.logprobs, 0), atol=1e-5)
+  assert np.max(np.abs(np.where(mask, full - sampled.logprobs, 0))) > 0.05  # the full softmax is off by the kept mass
+
+  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={tmp_path}",
+         "--config.log.progress=False", "--config.train.steps=2", "--config.train.log_every=1",
+         "--config.grpo.eval_examples=0", "--config.sampling.top_p=0.9", "--config.sampling.top_k=6",
+         "--config.grpo.async_staleness=1", "--config.grpo.rollout_is=token", "--config.grpo.rollout_rs=token",
+         "--config.grpo.mini_batches=1"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "actor/pg_loss" in line]
+  # Step 1 trains on the initial policy's rollouts (lag 0): over the kept set the weights are 1, none masked.
+  assert steps[0]["rollout/logprob_abs_diff_max"] < 1e-4
+  assert abs(steps[0]["mismatch/rollout_is_mean"] - 1.0) < 1e-4
+  assert steps[0]["mismatch/rollout_rs_masked_fraction"] == 0.0
