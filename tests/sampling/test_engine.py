@@ -110,19 +110,6 @@ def test_stop_tokens_and_budgets(llama):
   assert finish.sum() >= 1 and (finish == 0).sum() >= 1
 
 
-def test_continuous_on_the_mesh_equals_one_device(tmp_path):
-  model = ref.build("qwen2")
-  path = ref.save(model, tmp_path / "m")
-  ids, mask = _uneven_prompts(model.config.vocab_size, n=5, seed=7)
-  kw = dict(max_new_tokens=12, temperature=0.9, num_samples=2, slots=4, chunk=4)
-  one = sampling.generate(models.from_pretrained(path), ids, mask, jax.random.key(5), **kw)
-  mesh = models.make_mesh((1, 4, 2))
-  with jax.set_mesh(mesh):
-    eight = sampling.generate(models.from_pretrained(path, mesh=mesh), ids, mask, jax.random.key(5), **kw)
-  np.testing.assert_array_equal(np.asarray(eight.tokens), np.asarray(one.tokens))
-  np.testing.assert_allclose(np.asarray(eight.logprobs), np.asarray(one.logprobs), atol=1e-5)
-
-
 def test_bad_slots_and_budgets(llama):
   lm, vocab = llama
   ids, mask = _uneven_prompts(vocab, n=2)

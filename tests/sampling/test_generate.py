@@ -106,11 +106,12 @@ def test_sampled_frequencies_follow_the_filtered_distribution(settings):
   np.testing.assert_allclose(np.exp(np.asarray(logp)), want[np.asarray(tokens)], rtol=1e-4)
 
 
-def test_generation_on_the_mesh_equals_one_device(tmp_path):
+@pytest.mark.parametrize("slots", [None, 4])  # static; continuous batching on 4 slots, in chunks of 4 steps
+def test_generation_on_the_mesh_equals_one_device(tmp_path, slots):
   model = ref.build("qwen2")
   path = ref.save(model, tmp_path / "m")
   ids, mask = _prompts(model.config.vocab_size)
-  kw = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, num_samples=2)
+  kw = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, num_samples=2, slots=slots, chunk=4)
   one = sampling.generate(models.from_pretrained(path), ids, mask, jax.random.key(5), **kw)
   mesh = models.make_mesh((1, 4, 2))
   with jax.set_mesh(mesh):
