@@ -127,10 +127,12 @@ def test_truncated_is_weights():
   rng, mask, _, _ = _inputs(6)
   old, behaviour = -rng.rand(B, T) * 3, -rng.rand(B, T) * 3
   want = np.minimum(np.exp(old - behaviour), 2.0)  # verl: clamp(exp(old_log_prob - rollout_log_probs), max=cap)
-  args = [jnp.asarray(x, jnp.float32) for x in (old, behaviour)]
-  np.testing.assert_allclose(P.truncated_is_weights(*args, 2.0), want, rtol=1e-5)
-  assert (want == 2.0).any() and (want < 1.0).any()
-  grad = jax.grad(lambda o: jnp.sum(P.truncated_is_weights(o, args[1], 2.0)))(args[0])
+  args = [jnp.asarray(x, jnp.float32) for x in (old, behaviour, np.ones((B, T)))]
+  token_is = lambda o: P.rollout_correction(o, *args[1:], is_level="token", is_threshold=2.0)  # noqa: E731
+  weights, keep = token_is(args[0])
+  np.testing.assert_allclose(weights, want, rtol=1e-5)
+  assert (want == 2.0).any() and (want < 1.0).any() and np.all(keep == 1.0)
+  grad = jax.grad(lambda o: jnp.sum(token_is(o)[0]))(args[0])
   np.testing.assert_array_equal(grad, 0.0)  # a weight, not a path for the gradient
 
 

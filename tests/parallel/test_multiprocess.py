@@ -119,7 +119,13 @@ def test_preference_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   _one_process(task, str(tmp_path / "one"), **settings)
   _two_processes(task, str(tmp_path / "two"), **settings)
   # The policy loss (~1e-2) is a mean of O(1) advantage-weighted terms that nearly cancel: its rounding is absolute.
-  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), keys, steps=(1, 2), rtol=1e-4, atol=1e-5)
+  # And its second mini-batch is scored after an update whose first Adam step moves every entry by +-lr by the sign
+  # of its gradient: an entry whose gradient is rounding noise lands 2 x lr apart between the layouts, which moved
+  # the step's loss by 1.0e-4 (of 8.8e-3) on one draw; the loss gets that much room, the other keys none.
+  loose = tuple(k for k in keys if k == "actor/loss")
+  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), [k for k in keys if k not in loose], steps=(1, 2),
+                rtol=1e-4, atol=1e-5)
+  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), loose, steps=(1, 2), rtol=1e-4, atol=2e-4)
   # Reductions over 2 x 2 devices round differently from 4 on one process; Adam divides a near-zero gradient entry
   # by its own small magnitude, so such an entry can move by up to lr (1e-4) per step either way: a handful of
   # entries (one in 36,864 of the tied embedding, by 3.006e-5, seen on one machine) may differ by up to 2 x lr.
