@@ -289,13 +289,13 @@ class GrpoTask(loop.Task):
       kl_to_ref = (current, self.ref_logprobs(self.reference, device_batch))
     agreement = {}
     rollout_logp = trained.behaviour if trained.behaviour is not None else trained.sampler_logp
-    kept = None
+    kept_logp = None
     if self.filtered and rollout_logp is not None and (self.loss_cfg.corrects or logs):
-      kept = self.kept_logprobs(full(state.params), device_batch)
+      kept_logp = self.kept_logprobs(full(state.params), device_batch)
       if self.loss_cfg.corrects:
-        device_batch["kept_logp"] = kept
+        device_batch["kept_logp"] = kept_logp
     if logs and rollout_logp is not None:  # the sampler's log-probs against the trainer's, same tokens and weights
-      current = kept if kept is not None else device_batch["old_logp"] if old_is_current and "old_logp" in \
+      current = kept_logp if kept_logp is not None else device_batch["old_logp"] if old_is_current and "old_logp" in \
           device_batch else kl_to_ref[0] if kl_to_ref is not None else self.logprobs(full(state.params), device_batch)
       agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
