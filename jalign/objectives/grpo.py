@@ -8,8 +8,8 @@ are the current ones with the gradient stopped (ratio 1, as verl does) and no se
 rollout correction (`rollout_is` / `rollout_rs`) the batch also holds `behaviour_logp` [N, R], the log-probs of the
 policy that sampled the data (a replay buffer's, or an asynchronous rollout's), and each token's clipped loss is
 weighted and masked by `losses.policy.rollout_correction` (against `kept_logp` where the sampler filtered its
-distribution: the old policy's log-probs renormalised over the same kept set, `kept_logprobs`). The loss comes back as (numerator, denominator) so the
-train step normalises over the global batch.
+distribution: the old policy's log-probs renormalised over the same kept set, `kept_logprobs`). The loss comes back
+as (numerator, denominator) so the train step normalises over the global batch.
 """
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     if cfg.corrects:
       weights, keep = policy.rollout_correction(
-          batch.get("kept_logp", old_logp), batch["behaviour_logp"], mask, is_level=cfg.rollout_is, is_threshold=cfg.rollout_is_threshold,
-          rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold, rs_lower=cfg.rollout_rs_threshold_lower)
+          batch.get("kept_logp", old_logp), batch["behaviour_logp"], mask, is_level=cfg.rollout_is,
+          is_threshold=cfg.rollout_is_threshold, rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold,
+          rs_lower=cfg.rollout_rs_threshold_lower)
       response_mask = mask
       mask = mask * keep  # verl: rejected tokens leave the loss and its denominator
     pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,

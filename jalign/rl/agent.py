@@ -70,7 +70,7 @@ def sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: i
     ids, mask = left_pad_ids(rows, pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.fold_in(rng, calls[0]), max_new_tokens=max_turn_tokens,
                             temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id,
-                            slots=min(slots, len(rows)) if slots else len(rows), **kwargs)
+                            slots=slots, **kwargs)
     calls[0] += 1
     return to_host((out.tokens, out.logprobs, out.lengths))
 

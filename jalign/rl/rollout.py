@@ -37,9 +37,6 @@ class SamplingSection:
       raise ConfigError(f"config.sampling.slots={self.slots} cannot hold a group of sampling.num_samples="
                         f"{self.num_samples}; set slots >= num_samples (or 0: one per completion)")
 
-  def engine_slots(self, completions: int) -> int:
-    return min(self.slots, completions) if self.slots else completions
-
   def rules(self, training_rules):
     """Logical-axis rules for generation: None keeps the training layout."""
     return without_fsdp(training_rules) if self.layout == "no_fsdp" else None
@@ -76,7 +73,7 @@ def sample(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSection
   out = sampling.generate(lm, ids, mask, rng, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, stop_token_ids=stop,
                           num_samples=spec.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=rules,
-                          slots=spec.engine_slots(len(prompts) * spec.num_samples))
+                          slots=spec.slots)
   tokens, lengths, logprobs, finish = to_host((out.tokens, out.lengths, out.logprobs, out.finish_reason))
   texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
   return Samples(prompts, spec.num_samples, tokens, lengths, texts, logprobs, finish)

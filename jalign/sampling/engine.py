@@ -1,11 +1,11 @@
 """Continuous batching over a dense per-layer KV cache of a fixed number of slots.
 
-Responses to RL prompts differ 10-100x in length; a static batch decodes every row until the longest stops. Here a
-host loop keeps the slots full instead: a jitted prefill writes new prompts (a whole group: one prompt, its
-`num_samples` requests) into free slots, and a jitted decode chunk runs up to `chunk` steps, returning early once a
-group's worth of slots has finished, so their requests are collected and the slots refilled. Decode attention reads
-the cache only up to the longest active slot (rounded up to one of four bounds per doubling, one program each). Each slot writes at its
-own cache index (`KVCache.per_row`); a refilled slot's stale entries are masked out by its segment row.
+Responses to RL prompts differ 10-100x in length; a static batch decodes every row until the longest stops. Here a host
+loop keeps the slots full instead: a jitted prefill writes new prompts (a whole group: one prompt, its `num_samples`
+requests) into free slots, and a jitted decode chunk runs up to `chunk` steps, returning early once a group's worth of
+slots has finished, so their requests are collected and the slots refilled. Decode attention reads the cache only up to
+the longest active slot (rounded up to one of four bounds per doubling, one program each). Each slot writes at its own
+cache index (`KVCache.per_row`); a refilled slot's stale entries are masked out by its segment row.
 
 Every draw is keyed by (request, step) (`filters.row_keys`), so a request's tokens do not depend on its slot or on
 what ran beside it: the static path gives the same samples for the same key.

@@ -25,9 +25,10 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows; row n is request n, and its
   t-th token is drawn with the key (request n, step t) whatever batch or slot it runs in.
 
-  `slots=None`: one static batch (every row decodes until the last one stops). `slots=k`: continuous batching over
-  k cache slots (`jalign.sampling.engine`; a whole group at a time, so k >= num_samples), the same samples for the
-  same `rng`. `budgets` [N]: each request's own token budget (<= max_new_tokens), as a per-request max_tokens.
+  `slots=None`: one static batch (every row decodes until the last one stops). `slots=k`: continuous batching over k
+  cache slots (`jalign.sampling.engine`; a whole group at a time, so k >= num_samples; 0 or more than N = one slot per
+  request), the same samples for the same `rng`. `budgets` [N]: each request's own token budget (<= max_new_tokens), as
+  a per-request max_tokens.
   With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
   (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout."""
   prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
@@ -47,6 +48,8 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   if budgets.shape != (n,) or budgets.min() < 1 or budgets.max() > max_new_tokens:
     raise ValueError(f"budgets must be [{n}] (one per request) with values in [1, max_new_tokens={max_new_tokens}]"
                      f", got shape {budgets.shape}")
+  if slots is not None:
+    slots = min(slots, n) if slots else n
   if slots is not None and slots < num_samples:
     raise ValueError(f"slots={slots} cannot hold a group of num_samples={num_samples}")
   graphdef, params = nnx.split(lm)
