@@ -73,9 +73,11 @@ def main():
   total = int(budgets.sum())
   per_batch = slots // GROUP  # prompts per static batch
 
+  reads = {}  # the engine's decode counters
+
   def continuous():
     out = sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=cap, num_samples=GROUP, slots=slots,
-                            budgets=budgets)
+                            budgets=budgets, stats=reads)
     return np.asarray(jax.block_until_ready(out.lengths))
 
   def static(batches=None):
@@ -142,6 +144,9 @@ def main():
   kv = 2 * cfg.num_layers * slots * max_len * cfg.num_kv_heads * cfg.head_dim * 4
   print(f"KV cache of the continuous engine: {slots} slots x {max_len} positions = {kv / 2**20:.1f} MiB "
         f"(whatever the number of requests)")
+  print(f"cache positions a continuous decode step reads ({reads['decode_steps']} steps): {reads['read_bound']:.0f} "
+        f"with the dense form (every slot to the longest active one's bound: CPU), {reads['read_lengths']:.0f} with "
+        f"the per-slot-length kernel (TPU / GPU): {reads['read_lengths'] / reads['read_bound']:.2f}x")
   if "transformers" in results:
     print(f"continuous/transformers tokens/s ratio: {results['transformers'] / results['continuous']:.2f}")
   print(f"continuous/static tokens/s ratio: {results['static'] / results['continuous']:.2f}")

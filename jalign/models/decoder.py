@@ -41,7 +41,8 @@ class KVCache:
   reads, so a decode step does not transpose the whole cache (XLA would copy it every token otherwise).
   `segment_BxS` is 0 for empty or padding slots; `index` is the next slot to write: a scalar shared by the batch
   (left-padded prompts keep rows in step), or one per row [B] (`per_row`: rows at different lengths, each writing
-  at its own slot, as slots of a continuous batch do)."""
+  at its own slot, as slots of a continuous batch do). A per-row cache is packed: row b's tokens fill slots
+  [0, index_b) with no padding between them, so decoding reads each row by its length alone (segments unread)."""
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   segment_BxS: jax.Array
@@ -144,7 +145,8 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
                   lora: lora_lib.LoraConfig | None = None):
   """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None: without one
   the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots (`chunked` for
-  a prefill into a cache of `AUTO_CHUNKED_FROM` slots or more, unless `cfg.attention` is `xla`). Masks use
+  a prefill into a cache of `AUTO_CHUNKED_FROM` slots or more, unless `cfg.attention` is `xla`; one query over a
+  per-row cache: `kernels.decode_attention`, by length, the Pallas kernel on TPU / GPU). Masks use
   slot indices (`q_index`: [T], or [B, T] with a per-row cache index) for causality and windows, as transformers
   does. `lora`: the adapters' settings when `lp` holds adapters; `dropout_key` turns on their dropout (training
   only)."""
@@ -184,6 +186,9 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
       attn = kernels.attention(q, tokens_first(keys), tokens_first(values), q_segment_ids=q_segment_BxT,
                                kv_segment_ids=k_segment, q_positions=q_slot_BxT, kv_positions=slots(S),
                                sliding_window=window, softcap=cfg.attn_softcap, scale=cfg.scale, impl="chunked")
+    elif cache_index.ndim == 1 and q.shape[1] == 1:  # a packed per-row cache: each row read up to its length
+      attn = kernels.decode_attention(q[:, 0], keys, values, cache_index + 1, scale=cfg.scale, softcap=cfg.attn_softcap,
+                                      window=window, impl="xla" if cfg.attention == "xla" else "auto")[:, None]
     else:  # decoding (one query) and short prefills read the cache in place
       mask = _attention_mask(q_segment_BxT, k_segment, q_slot_BxT, slots(S), sliding_window=window)
       attn = gqa_attention(q, keys.astype(dt), values.astype(dt), mask, scale=cfg.scale, softcap=cfg.attn_softcap,

@@ -3,9 +3,11 @@
 Responses to RL prompts differ 10-100x in length; a static batch decodes every row until the longest stops. Here a host
 loop keeps the slots full instead: a jitted prefill writes new prompts (a whole group: one prompt, its `num_samples`
 requests) into free slots, and a jitted decode chunk runs up to `chunk` steps, returning early once a group's worth of
-slots has finished, so their requests are collected and the slots refilled. Decode attention reads the cache only up to
-the longest active slot (rounded up to one of four bounds per doubling, one program each). Each slot writes at its own
-cache index (`KVCache.per_row`); a refilled slot's stale entries are masked out by its segment row.
+slots has finished, so their requests are collected and the slots refilled. Each slot holds its request packed from
+cache slot 0 and writes at its own index (`KVCache.per_row`), so decode attention reads a slot by its length: on
+TPU / GPU a Pallas kernel reads each slot only up to its own length (`kernels.decode_attention`); elsewhere the dense
+form reads every slot up to the longest active one (rounded up to one of four bounds per doubling, one program each).
+A refilled slot's stale entries lie past its length.
 
 Every draw is keyed by (request, step) (`filters.row_keys`), so a request's tokens do not depend on its slot or on
 what ran beside it: the static path gives the same samples for the same key.
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jalign.kernels.decode import PAGE, decode_impl
 from jalign.models.decoder import KVCache
 from jalign.sampling.filters import row_keys
 from jalign.sampling.settings import GenerateOutput, Settings, prompt_bucket
@@ -41,16 +44,23 @@ class Slots:
   running_S: jax.Array    # still generating
   tokens_SxR: jax.Array   # the request's tokens so far (pad after)
   logprobs_SxR: jax.Array
+  reads: jax.Array        # [3] float32: decode steps; cache positions read by the dense form (slots x bound) and
+                          # by a kernel that reads each slot up to its length (idle slots stand at length 1)
 
 
 def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, *, slots: int, chunk: int,
-        bucket_min: int) -> GenerateOutput:
-  """Requests n = b * num_samples + i (prompt b's i-th sample), served a group at a time in prompt order."""
+        bucket_min: int, stats: dict | None = None) -> GenerateOutput:
+  """Requests n = b * num_samples + i (prompt b's i-th sample), served a group at a time in prompt order.
+  `stats`, when given, gets `decode_steps` and the cache positions a step reads on average: `read_bound` (the
+  dense form's, every slot to the common bound) and `read_lengths` (a per-slot-length kernel's)."""
   g = s.num_samples
   lengths_B = prompt_mask.sum(1)
   buckets_B = np.asarray([prompt_bucket(int(n), bucket_min) for n in lengths_B])
-  max_len = int(buckets_B.max()) + s.max_new
   lm = nnx.merge(graphdef, params)
+  # Where decode attention is a kernel it reads each slot up to its own length, in pages: no common bound needed.
+  ragged = decode_impl("xla" if lm.cfg.attention == "xla" else "auto", None, lm.cfg.head_dim) != "xla"
+  max_len = int(buckets_B.max()) + s.max_new
+  max_len = -(-max_len // PAGE) * PAGE if ragged else max_len
   state = _init(lm.cfg, slots, max_len, s)
   prefill, decode = _prefill_program(graphdef, s), _decode_program(graphdef, s)
 
@@ -83,7 +93,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
     running = np.asarray(state.running_S)
     if running.any():
       longest = int(np.asarray(state.cache.index)[running].max()) + chunk
-      kv_len = min(max_len, prompt_bucket(longest, _MIN_KV))  # four bounds per doubling: few programs
+      kv_len = max_len if ragged else min(max_len, prompt_bucket(longest, _MIN_KV))  # 4 bounds per doubling
       want = g if queue else slots  # return early only when a group could be admitted
       state = decode(params, state, rng, jnp.asarray(want, jnp.int32), kv_len=kv_len, chunk=chunk)
     running = np.asarray(state.running_S)
@@ -96,6 +106,9 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
       out_tokens[rows], out_logp[rows] = tokens, logp
       out_len[rows], out_stop[rows] = steps, stopped
       free.extend(finished)
+  if stats is not None:
+    steps, bound, lengths = np.asarray(state.reads).tolist()
+    stats.update(decode_steps=int(steps), read_bound=bound / max(steps, 1), read_lengths=lengths / max(steps, 1))
   return GenerateOutput(jnp.asarray(out_tokens), jnp.asarray(out_logp), jnp.asarray(out_len), jnp.asarray(out_stop))
 
 
@@ -103,7 +116,7 @@ def _init(cfg, slots: int, max_len: int, s: Settings) -> Slots:
   zeros = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)  # noqa: E731
   return Slots(KVCache.init(cfg, slots, max_len, s.cache_dtype).per_row(), zeros(), zeros(), zeros(), zeros(),
                zeros(), zeros(bool), zeros(bool), jnp.full((slots, s.max_new), s.pad_id, jnp.int32),
-               jnp.zeros((slots, s.max_new), jnp.float32))
+               jnp.zeros((slots, s.max_new), jnp.float32), jnp.zeros((3,), jnp.float32))
 
 
 @functools.lru_cache(maxsize=64)
@@ -118,22 +131,29 @@ def _prefill_program(graphdef, s: Settings):
     p = ids_MxP.shape[1]
     cache = KVCache.init(lm.cfg, ids_MxP.shape[0], p, s.cache_dtype)
     hidden, cache = lm.forward(ids_MxP, mask_MxP, cache=cache)
-    cache = cache.repeat(s.num_samples)
-    put = lambda buffer, rows: buffer.at[slot_N, :, :p].set(rows, mode="drop")  # noqa: E731
+    # Packed: each prompt's keys moved to slots 0..len-1 (its left padding rotated past the end), so decoding reads
+    # a slot by its length alone.
+    len_M = jnp.sum(mask_MxP, axis=1).astype(jnp.int32)
+    from_MxP = (jnp.arange(p, dtype=jnp.int32)[None] + (p - len_M)[:, None]) % p
+    pack = lambda a: jnp.repeat(jnp.take_along_axis(a, from_MxP[:, None, :, None], axis=2),  # noqa: E731
+                                s.num_samples, axis=0)
+    put = lambda buffer, rows: buffer.at[slot_N, :, :p].set(pack(rows), mode="drop")  # noqa: E731
     old = state.cache
-    segment = jnp.zeros((slot_N.shape[0], old.segment_BxS.shape[1]), jnp.int32).at[:, :p].set(cache.segment_BxS)
+    len_N = jnp.repeat(len_M, s.num_samples)
+    segment = (jnp.arange(old.segment_BxS.shape[1])[None] < len_N[:, None]).astype(jnp.int32)
     new_cache = KVCache(tuple(map(put, old.k, cache.k)), tuple(map(put, old.v, cache.v)),
-                        old.segment_BxS.at[slot_N].set(segment, mode="drop"), old.index.at[slot_N].set(p, mode="drop"))
+                        old.segment_BxS.at[slot_N].set(segment, mode="drop"),
+                        old.index.at[slot_N].set(len_N, mode="drop"))
     hidden = jnp.repeat(hidden[:, -1], s.num_samples, axis=0)
     token, logp = sample(lm.logits(hidden), row_keys(rng, request_N, jnp.zeros_like(request_N)))
     stopped = s.stops(token)
     set_ = lambda a, v: a.at[slot_N].set(v, mode="drop")  # noqa: E731
     first = lambda fill, v: jnp.full((slot_N.shape[0], s.max_new), fill, v.dtype).at[:, 0].set(v)  # noqa: E731
-    pos = jnp.repeat(jnp.sum(mask_MxP, axis=1), s.num_samples).astype(jnp.int32)
-    return Slots(new_cache, set_(state.token_S, token), set_(state.pos_S, pos), set_(state.request_S, request_N),
+    return Slots(new_cache, set_(state.token_S, token), set_(state.pos_S, len_N), set_(state.request_S, request_N),
                  set_(state.step_S, jnp.ones_like(request_N)), set_(state.budget_S, budget_N),
                  set_(state.stopped_S, stopped), set_(state.running_S, ~stopped & (budget_N > 1)),
-                 set_(state.tokens_SxR, first(s.pad_id, token)), set_(state.logprobs_SxR, first(0.0, logp)))
+                 set_(state.tokens_SxR, first(s.pad_id, token)), set_(state.logprobs_SxR, first(0.0, logp)),
+                 state.reads)
 
   return prefill
 
@@ -161,7 +181,9 @@ def _decode_program(graphdef, s: Settings):
       i, st = carry
       run_ = st.running_S
       hidden, cache = lm.forward(st.token_S[:, None], positions=st.pos_S[:, None], cache=st.cache, layers=layers)
-      cache = dataclasses.replace(cache, index=jnp.where(run_, cache.index, st.cache.index))
+      # An idle slot stands at index 0 (its request is collected; it reads and rewrites one stale position).
+      cache = dataclasses.replace(cache, index=jnp.where(run_, cache.index, 0))
+      read = jnp.stack([1.0, st.cache.index.shape[0] * kv_len, jnp.sum(st.cache.index + 1)])
       new, logp = sample(lm.logits(hidden)[:, 0], row_keys(rng, st.request_S, st.step_S))
       column = jnp.where(run_, st.step_S, s.max_new)  # finished slots write nowhere
       write = lambda buf, v: buf.at[jnp.arange(buf.shape[0]), column].set(v, mode="drop")  # noqa: E731
@@ -169,7 +191,7 @@ def _decode_program(graphdef, s: Settings):
       stopped = st.stopped_S | (run_ & s.stops(new))
       return i + 1, Slots(cache, jnp.where(run_, new, st.token_S), st.pos_S + run_, st.request_S, step,
                           st.budget_S, stopped, run_ & ~stopped & (step < st.budget_S),
-                          write(st.tokens_SxR, new), write(st.logprobs_SxR, logp))
+                          write(st.tokens_SxR, new), write(st.logprobs_SxR, logp), st.reads + read)
 
     _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), dataclasses.replace(state, cache=view)))
     put = lambda whole, part: whole.at[:, :, :kv_len].set(part)  # noqa: E731

@@ -20,14 +20,15 @@ from jalign.sampling.settings import GenerateOutput, Settings, prompt_bucket
 def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, stop_token_ids=(), num_samples: int = 1,
              pad_id: int = 0, cache_dtype=None, bucket_min: int = 16, mesh=None, rules=None, budgets=None,
-             slots: int | None = None, chunk: int = 32) -> GenerateOutput:
+             slots: int | None = None, chunk: int = 32, stats: dict | None = None) -> GenerateOutput:
   """Samples continuations of left-padded prompts [B, P] (mask 1 = token). Each prompt is repeated `num_samples`
   times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows; row n is request n, and its
   t-th token is drawn with the key (request n, step t) whatever batch or slot it runs in.
 
   `slots=None`: one static batch (every row decodes until the last one stops). `slots=k`: continuous batching over k
   cache slots (`jalign.sampling.engine`; a whole group at a time, so k >= num_samples; 0 or more than N = one slot per
-  request), the same samples for the same `rng`. `budgets` [N]: each request's own token budget (<= max_new_tokens), as
+  request), the same samples for the same `rng`; `stats` (a dict) gets the engine's decode counters (`engine.run`).
+  `budgets` [N]: each request's own token budget (<= max_new_tokens), as
   a per-request max_tokens.
   With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
   (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout."""
@@ -59,7 +60,7 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
                       tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype, int(num_samples))
   if slots is not None:
     return engine.run(graphdef, params, prompt_ids, prompt_mask, budgets, rng, settings, slots=slots, chunk=chunk,
-                      bucket_min=bucket_min)
+                      bucket_min=bucket_min, stats=stats)
   pad = ((0, 0), (bucket - p, 0))
   ids = np.pad(prompt_ids, pad, constant_values=pad_id).astype(np.int32)
   mask = np.pad(prompt_mask, pad).astype(np.int32)
