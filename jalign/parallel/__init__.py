@@ -4,6 +4,7 @@ Convention: Auto axis types (see jalign.models.sharding); parameters carry expli
 split over ('data', 'fsdp') on their leading axis, optimizer state follows its parameter, scalars are replicated.
 """
 from jalign.parallel.shardings import (batch_sharding, fetching, in_memory, mesh_from_config, optimizer_shardings,
-                                      replicated)
+                                      replicated, split_meshes)
 
-__all__ = ["batch_sharding", "fetching", "in_memory", "mesh_from_config", "optimizer_shardings", "replicated"]
+__all__ = ["batch_sharding", "fetching", "in_memory", "mesh_from_config", "optimizer_shardings", "replicated",
+           "split_meshes"]

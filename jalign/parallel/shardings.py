@@ -22,6 +22,29 @@ def mesh_from_config(shape: tuple[int, int, int], devices=None) -> Mesh:
   return make_mesh(tuple(shape), devices if -1 in shape else devices[:fixed])
 
 
+def split_meshes(shape: tuple[int, int, int], rollout_shape: tuple = (), devices=None) -> tuple[Mesh, Mesh | None]:
+  """The training mesh and, with `rollout_shape`, a sampling mesh of its own over devices set apart: each process's
+  last prod(rollout_shape) / process-count local devices, so both meshes span every process (a program on either
+  involves every process's own devices and none of the other mesh's). The training mesh takes the rest (its -1
+  counts them)."""
+  if not rollout_shape:
+    return mesh_from_config(shape, devices), None
+  devices = list(jax.devices() if devices is None else devices)
+  processes = sorted({d.process_index for d in devices})
+  r = int(np.prod(rollout_shape))
+  if len(rollout_shape) != 3 or min(rollout_shape) < 1 or r % len(processes) or r >= len(devices):
+    raise ValueError(f"grpo.rollout_mesh={tuple(rollout_shape)}: three positive sizes (data, fsdp, tensor) whose "
+                     f"product is below the {len(devices)} devices and a multiple of the {len(processes)} processes")
+  per = r // len(processes)
+  apart = [d for p in processes for d in [x for x in devices if x.process_index == p][-per:]]
+  rest = [d for d in devices if d not in apart]
+  try:
+    train = mesh_from_config(shape, rest)
+  except ValueError as e:
+    raise ValueError(f"{e}; grpo.rollout_mesh={tuple(rollout_shape)} sets {r} of them apart") from None
+  return train, make_mesh(tuple(rollout_shape), apart)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

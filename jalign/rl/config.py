@@ -83,9 +83,14 @@ class GrpoSection:
   # Asynchronous GRPO/PPO: step t trains on rollouts sampled by the policy of k updates before (version t-1-k), so
   # the rollouts of steps t+1..t+k are generated while step t updates. Exactly k (not "up to k"), so a run is the
   # same however the threads interleave and resumes bitwise (the in-flight rollouts are checkpointed). The stored
-  # sampler log-probs are the behaviour policy's: the clipped ratio is taken against them, or with
-  # tis_imp_ratio_cap against the policy before the update with truncated importance weights. 0 = synchronous.
+  # sampler log-probs are the behaviour policy's: the clipped ratio is taken against them, or with a rollout
+  # correction (rollout_is / rollout_rs) against the policy before the update. 0 = synchronous.
   async_staleness: int = bounded(0, ge=0)
+  # Sampling on devices of its own: a ('data', 'fsdp', 'tensor') mesh over each process's last devices (its product
+  # a multiple of the process count), the training mesh (mesh.shape) over the rest; the policy's weights are copied
+  # across when a rollout is submitted. With async_staleness the update and the generation then run side by side
+  # rather than interleaved on shared devices. () = sampling on the training mesh.
+  rollout_mesh: tuple[int, ...] = ()
   # Multi-turn: each sample is an episode of this environment (jalign.rl.env: "calculator", "python", "answer"),
   # turn by turn (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of
   # reward.weights; "" = one turn, scored by the whole reward section.

@@ -23,6 +23,7 @@ from flax import nnx
 from jalign import parallel
 from jalign.config import RunConfig
 from jalign.data.sources import open_source
+from jalign.errors import ConfigError
 from jalign.eval.policy import accuracy
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.objectives import grpo as objective
@@ -30,7 +31,7 @@ from jalign.rl.agent import summary as agent_summary
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
-from jalign.models.sharding import to_host
+from jalign.models.sharding import state_shardings, to_host
 from jalign.rl.stage import RolloutStage, advantages, logprob_agreement, update_rows
 from jalign.train import loop, optimizer as optim_lib, step as step_lib
 from jalign.train.critic import Critic
@@ -62,12 +63,20 @@ class GrpoTask(loop.Task):
     model_reward = None
     if cfg.reward.model:
       from jalign.rl.model_reward import ModelReward
-      model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
+      model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, setup.rollout_mesh or mesh,
+                                 cfg.mesh.rules)
     self.spec = s
     self.metric = next((n for n, _ in self.rewards.weights if n in NEEDS_GROUND_TRUTH), None)
     max_prompt = min(s.max_prompt_length, setup.model_cfg.max_position_embeddings - s.max_new_tokens)
+    if g.async_staleness and setup.rollout_mesh is None and jax.process_count() > 1:
+      # Each process would enqueue the generation thread's programs and the update's in its own order on the same
+      # devices, and their collectives would pair up wrongly across processes.
+      raise ConfigError(f"config.grpo.async_staleness={g.async_staleness} on {jax.process_count()} processes needs "
+                        "sampling on devices of its own: set grpo.rollout_mesh (e.g. (P, 1, 1) for P processes, "
+                        "one device each set apart), or async_staleness=0")
+    self.sample_mesh = setup.rollout_mesh or mesh  # sampling's devices: the training mesh's, or set apart
     self.stage = RolloutStage(g, s, tok, self.rewards, fields=cfg.data.fields(), max_prompt=max_prompt,
-                              context=setup.model_cfg.max_position_embeddings, mesh=mesh,
+                              context=setup.model_cfg.max_position_embeddings, mesh=self.sample_mesh,
                               rules=s.rules(cfg.mesh.rules), model_reward=model_reward)
     self.eval_prompts = []
     if g.eval_prompts and self.metric:
@@ -125,7 +134,11 @@ class GrpoTask(loop.Task):
     self.iterator = _prompt_iterator(cfg, len(self.stage))
     self.in_flight: dict[int, Future | Rollout] = {}  # async: step -> its rollout, sampled or being sampled
     self.generator = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if g.async_staleness else None
+    self.sample_shardings = None  # the policy's layout on the rollout mesh (set on first use)
     return self.iterator
+
+  def rollout_mesh_shape(self) -> tuple:
+    return tuple(self.cfg.grpo.rollout_mesh)
 
   def _update_fn(self, mini_batch_rows: int):
     """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
@@ -168,6 +181,10 @@ class GrpoTask(loop.Task):
   def begin(self, state, start: int) -> None:
     """The held-out accuracy of the initial policy (the reference, also on resume), written at `start`."""
     self.step = start
+    if self.setup.rollout_mesh is not None:
+      ids = lambda m: ",".join(str(d.id) for d in m.devices.flat)  # noqa: E731
+      self.say(f"sampling on a mesh of its own {dict(self.sample_mesh.shape)} over devices {ids(self.sample_mesh)}; "
+               f"training on devices {ids(self.setup.mesh)}")
     if not self.eval_prompts:
       return
     on_device = parallel.in_memory(self.reference, "device") if self.cfg.model.offload_reference else self.reference
@@ -216,9 +233,11 @@ class GrpoTask(loop.Task):
     t0 = time.perf_counter()
     step_key = jax.random.fold_in(self.key, step - 1)
     lm = self._policy(params)
-    batches = [self.stage.collect(lm, next(self.iterator), step_key)]
-    if g.dynamic_sampling:  # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
-      while sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step and len(batches) < g.max_gen_batches:
+    with jax.set_mesh(self.sample_mesh):  # also in the generation thread (the mesh is a per-thread setting)
+      batches = [self.stage.collect(lm, next(self.iterator), step_key)]
+      while (g.dynamic_sampling and len(batches) < g.max_gen_batches
+             and sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step):
+        # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
         batches.append(self.stage.collect(lm, next(self.iterator), jax.random.fold_in(step_key, len(batches) + 1)))
     sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
     if g.async_staleness:  # sampled by an older policy: its log-probs are the behaviour policy's
@@ -231,16 +250,29 @@ class GrpoTask(loop.Task):
     policy as it is now, version step - 1), then this step's, submitted k steps ago, is awaited."""
     k, full = self.cfg.grpo.async_staleness, self.setup.full
     if not k:
-      return self._generate(full(state.params), step, step - 1), 0.0
+      return self._generate(self._for_sampling(full(state.params)), step, step - 1), 0.0
     snapshot = None
     for later in range(step, min(step + k, self.cfg.train.steps) + 1):
       if later not in self.in_flight:
-        if snapshot is None:  # the update donates the state's buffers: the thread samples from a copy
-          snapshot = jax.tree.map(jnp.copy, full(state.params))
+        if snapshot is None:
+          snapshot = self._for_sampling(full(state.params))
         self.in_flight[later] = self.generator.submit(self._generate, snapshot, later, step - 1)
     t0 = time.perf_counter()
     rollout = self.in_flight.pop(step)
     return (rollout.result() if isinstance(rollout, Future) else rollout), time.perf_counter() - t0
+
+  def _for_sampling(self, params):
+    """The policy as sampling reads it: copied to the rollout mesh in sampling's layout where there is one (the
+    sampler's own re-layout then finds it in place); else on the training devices, copied when the generation
+    thread reads it (the update donates the state's buffers)."""
+    if self.setup.rollout_mesh is None:
+      return jax.tree.map(jnp.copy, params) if self.cfg.grpo.async_staleness else params
+    if self.sample_shardings is None:
+      self.sample_shardings = nnx.to_pure_dict(state_shardings(self._policy(params), self.sample_mesh,
+                                                               self.stage.rules or self.cfg.mesh.rules))
+    if jax.process_count() > 1:  # across processes, disjoint device sets are bridged through each host's memory
+      params = to_host(params)
+    return jax.device_put(params, self.sample_shardings)
 
   def host_state(self):
     """The rollouts sampled for the next steps (async): checkpointed, so a resumed run trains on the same ones."""

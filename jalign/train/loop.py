@@ -42,6 +42,7 @@ class Setup:
   state_shardings: Any
   frozen: Any = None             # with LoRA: the base weights, beside the trainable `state.params`; never donated
   frozen_shardings: Any = None
+  rollout_mesh: jax.sharding.Mesh | None = None  # sampling's own devices (`Task.rollout_mesh_shape`), or None
 
   def trainable(self) -> "Trainable":
     return Trainable(self.graphdef, self.state, self.state_shardings, self.frozen, self.frozen_shardings)
@@ -93,6 +94,10 @@ class Task:
       print(text, flush=True)
 
   # --- the loop's hooks ---
+
+  def rollout_mesh_shape(self) -> tuple:
+    """A mesh shape for sampling on devices set apart from training (`parallel.split_meshes`); () = none."""
+    return ()
 
   def load_model(self, cfg: RunConfig, mesh) -> nnx.Module:
     """The module whose parameters train; it has `.cfg` (the backbone's ModelConfig)."""
@@ -194,16 +199,21 @@ def load_model(cfg: RunConfig, mesh) -> models.Decoder:
 
 
 def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
-  mesh = parallel.mesh_from_config(cfg.mesh.shape)
+  task = task or Task(cfg)
+  try:
+    mesh, rollout_mesh = parallel.split_meshes(cfg.mesh.shape, task.rollout_mesh_shape())
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
   tok = tokenizer_lib.load(cfg.tokenizer or cfg.model.path)
-  lm = (task or Task(cfg)).load_model(cfg, mesh)
+  lm = task.load_model(cfg, mesh)
   if cfg.model.lora.rank:
     lora.add_adapters(getattr(lm, "backbone", lm), cfg.model.lora, seed=cfg.seed)
   if tok.vocab_size > lm.cfg.vocab_size:
     raise ConfigError(f"tokenizer {cfg.tokenizer or cfg.model.path} has {tok.vocab_size} tokens, more than the "
                      f"model's vocab_size {lm.cfg.vocab_size}")
   t = trainable(lm, optimizer, mesh, cfg.mesh.rules)
-  return Setup(cfg, mesh, tok, t.graphdef, lm.cfg, t.state, t.state_shardings, t.frozen, t.frozen_shardings)
+  return Setup(cfg, mesh, tok, t.graphdef, lm.cfg, t.state, t.state_shardings, t.frozen, t.frozen_shardings,
+               rollout_mesh)
 
 
 def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, task: Task | None = None):

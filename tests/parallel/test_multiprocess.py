@@ -133,6 +133,30 @@ def test_preference_and_grpo_two_processes_equal_one(task, keys, tmp_path):
 
 
 @pytest.mark.slow
+def test_async_grpo_on_two_processes_samples_on_a_rollout_mesh(tmp_path):
+  """Asynchronous GRPO over two processes: the generation thread samples on devices set apart in each process
+  (grpo.rollout_mesh), so its programs and the update's share no device and no collective; the run equals one
+  process's with the same meshes. Without a rollout mesh the two threads' programs would meet on the same devices
+  in a different order per process (seen: gloo aborting on mismatched collective sizes): a config error instead."""
+  settings = dict(train__steps=3, train__log_every=1, grpo__async_staleness=1, mesh__shape=(1, 2, 1),
+                  grpo__rollout_mesh=(2, 1, 1))
+  _one_process("grpo", str(tmp_path / "one"), **settings)
+  _two_processes("grpo", str(tmp_path / "two"), **settings)
+  exact = ("critic/score/mean", "response_length/mean", "rollout/policy_lag")
+  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), exact, steps=(1, 2, 3), rtol=1e-4, atol=1e-5)
+  _same_metrics(str(tmp_path / "one"), str(tmp_path / "two"), ("actor/loss",), steps=(1, 2, 3), rtol=1e-4,
+                atol=2e-4)  # as in the synchronous comparison above
+  procs = _start_two("grpo", str(tmp_path / "shared"), train__steps=2, grpo__async_staleness=1)
+  try:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode != 0 and "needs sampling on devices of its own: set grpo.rollout_mesh" in out, out[-3000:]
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
   """Only process 1 gets the preemption notice; JAX's preemption service tells process 0, both save the same step
   (one checkpoint, written together) and exit 143."""

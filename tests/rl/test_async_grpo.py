@@ -5,6 +5,7 @@ import os
 import signal
 
 import numpy as np
+import pytest
 
 from jalign.rl.groups import Groups
 from jalign.data.prompts import Prompt
@@ -38,6 +39,40 @@ def test_async_grpo_lags_by_k_and_resumes_bitwise_with_rollouts_in_flight(tmp_pa
       if not key.startswith(TIMING):
         assert resumed[step][key] == value, (step, key)
   assert hf_weights(tmp_path / "resumed") == hf_weights(tmp_path / "straight")
+
+
+def test_rollout_mesh_samples_on_devices_set_apart(tmp_path):
+  """grpo.rollout_mesh=(1, 1, 1) beside a (1, 4, 1) training mesh: the generation thread samples on the last device,
+  from weights copied there at each submission, and draws the same groups as sampling on the training devices (the
+  same rows on one device: the scores and lengths are equal; the losses take the behaviour log-probs of the other
+  device's rounding)."""
+  shape = ("--config.mesh.shape=(1,4,1)", "--config.train.steps=3")
+  apart = run_faulty("grpo", tmp_path / "apart", *ASYNC, *shape, "--config.grpo.rollout_mesh=(1,1,1)")
+  run_faulty("grpo", tmp_path / "shared", *ASYNC, *shape)
+  assert "sampling on a mesh of its own {'data': 1, 'fsdp': 1, 'tensor': 1} over devices 7; training on devices " \
+         "0,1,2,3" in apart.stdout
+  a, b = _steps(tmp_path / "apart"), _steps(tmp_path / "shared")
+  for step in (1, 2, 3):
+    for key in ("critic/score/mean", "response_length/mean", "rollout/policy_lag"):
+      assert a[step][key] == b[step][key], (step, key)
+    for key in ("actor/pg_loss", "actor/kl_loss"):
+      np.testing.assert_allclose(a[step][key], b[step][key], rtol=5e-2, atol=1e-4, err_msg=f"{step} {key}")
+  assert a[1]["rollout/logprob_abs_diff_max"] < 1e-4  # the same policy on another device
+
+
+def test_rollout_mesh_takes_each_process_last_devices_and_bad_shapes_name_the_key():
+  import jax
+  from jalign import parallel
+  devices = jax.devices()[:8]
+  train, rollout = parallel.split_meshes((1, -1, 1), (2, 1, 1), devices)
+  assert [d.id for d in rollout.devices.flat] == [6, 7] and train.shape["fsdp"] == 6
+  assert set(rollout.devices.flat).isdisjoint(train.devices.flat)
+  for bad, message in (((0, 1, 1), "three positive sizes"), ((1, 1), "three positive sizes"),
+                       ((2, 2, 2), "below the 8 devices")):
+    with pytest.raises(ValueError, match=r"grpo\.rollout_mesh=.*" + message):
+      parallel.split_meshes((1, -1, 1), bad, devices)
+  with pytest.raises(ValueError, match=r"mesh.shape=\(1, 8, 1\) does not fit the 6 .* sets 2 of them apart"):
+    parallel.split_meshes((1, 8, 1), (2, 1, 1), devices)
 
 
 def test_groups_round_trip_through_json_exactly():
