@@ -17,6 +17,10 @@ Sections (each timed on its own; a failing section is recorded with its error an
   tokens/s and MFU (PaLM's 6N + 12 L H Dh T FLOPs per token).
 - `decode`: `sampling.generate` tokens/s at batch 64 against the HBM-bandwidth bound (every decode step reads the
   bf16 weights and the KV cache once).
+- `ragged_decode`: `kernels.decode_attention` for one decode step of 64 slots over a bf16 cache of 8192 positions
+  (32 query heads over 8 key/value heads of 128), slot lengths drawn from a lognormal (mean 1024): the chip's Pallas
+  kernel (each slot read to its own length) against the dense `xla` form (every slot to 8192), seconds, GB/s of the
+  bytes the kernel must read, and their largest difference.
 Only jax, flax and optax are needed (jalign is imported from the checkout). Figures go to `--out` as JSON.
 """
 from __future__ import annotations
@@ -46,11 +50,13 @@ FULL = dict(logprob_shape=(8192, 2048, 128256), check_shape=(512, 256, 32003), a
             grpo_prompt=256, decode_batch=64, decode_prompt=128, decode_new=256, repeats=5,
             model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                        num_kv_heads=8, head_dim=64, tie_embeddings=True, max_position_embeddings=4096))
+FULL.update(ragged=(64, 32, 8, 8192, 128), ragged_mean=1024)
 SMOKE = dict(logprob_shape=(64, 32, 1000), check_shape=(24, 16, 203), attention_shape=(128, 4, 2, 16),
              attention_check=(40, 4, 2, 16), seq=64, sft_rows=2, grpo_rows=4,
              grpo_prompt=16, decode_batch=4, decode_prompt=8, decode_new=8, repeats=2,
              model=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, tie_embeddings=True, max_position_embeddings=256))
+SMOKE.update(ragged=(4, 4, 2, 256, 16), ragged_mean=64)
 
 
 def best_time(fn, repeats: int) -> float:
@@ -244,6 +250,37 @@ def decode_section(shapes, peaks) -> dict:
   return out
 
 
+def ragged_decode_section(shapes, peaks) -> dict:
+  b, n, k, s, h = shapes["ragged"]
+  rng = np.random.RandomState(4)
+  mean = shapes["ragged_mean"]
+  lengths = np.clip(np.round(rng.lognormal(np.log(mean) - 0.5, 1.0, b)), 1, s).astype(np.int32)
+  q = jnp.asarray(rng.randn(b, n, h), jnp.bfloat16)
+  cache = [jnp.asarray(rng.randn(b, k, s, h), jnp.bfloat16) for _ in range(2)]
+  pallas, interpret = pallas_impl()
+  out = {"shape": [b, n, k, s, h], "lengths_mean": float(lengths.mean()), "lengths_max": int(lengths.max())}
+  fns = {impl: jax.jit(lambda q, kc, vc, n_, impl=impl, kw=kw: kernels.decode_attention(
+      q, kc, vc, n_, scale=h ** -0.5, impl=impl, **kw)) for impl, kw in (("xla", {}), (pallas, dict(
+          interpret=interpret)))}
+  args = (q, *cache, jnp.asarray(lengths))
+  results = {}
+  for impl, fn in fns.items():
+    entry = out.setdefault(impl, {})
+    try:
+      results[impl] = np.asarray(fn(*args), np.float32)
+      entry["seconds"] = best_time(lambda: fn(*args), shapes["repeats"])
+      needed = 2 * int(lengths.sum()) * k * h * 2  # keys and values up to each slot's length, bf16
+      entry["gbytes_per_s_of_needed"] = needed / entry["seconds"] / 1e9
+      if peaks["hbm"]:
+        entry["fraction_of_peak_hbm"] = needed / entry["seconds"] / peaks["hbm"]
+    except Exception as e:  # noqa: BLE001 - recorded, the other implementation still runs
+      entry["error"] = _error(e)
+  if len(results) == 2:
+    out["max_abs_diff"] = float(np.abs(results["xla"] - results[pallas]).max())
+    out["xla_over_kernel_seconds"] = out["xla"]["seconds"] / out[pallas]["seconds"]
+  return out
+
+
 def _error(e: Exception) -> str:
   return f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-4:])[-2000:]
 
@@ -262,7 +299,7 @@ def main():
             peaks["hbm"], "sections": {}}
   sections = {"logprobs": logprobs_section, "attention": attention_section, "sft_step": sft_section,
               "grpo_step": grpo_section,
-              "decode": decode_section}
+              "decode": decode_section, "ragged_decode": ragged_decode_section}
   failed = False
   for name, fn in sections.items():
     if args.only and name not in args.only:

@@ -17,7 +17,7 @@ def test_device_check_smoke(tmp_path):
   report = json.loads(out.read_text())
   assert report["smoke"] is True and report["backend"] == "cpu"
   sections = report["sections"]
-  assert set(sections) == {"logprobs", "attention", "sft_step", "grpo_step", "decode"}
+  assert set(sections) == {"logprobs", "attention", "sft_step", "grpo_step", "decode", "ragged_decode"}
   assert "error" not in json.dumps(sections)
   for impl in ("xla", "chunked", "pallas_gpu"):
     entry = sections["logprobs"][impl]
@@ -30,3 +30,5 @@ def test_device_check_smoke(tmp_path):
   for name in ("sft_step", "grpo_step"):
     assert sections[name]["tokens_per_s"] > 0 and sections[name]["params"] > 0
   assert sections["decode"]["tokens_per_s"] > 0 and sections["decode"]["bytes_per_decode_step"] > 0
+  ragged = sections["ragged_decode"]  # the GPU kernel interpreted off a GPU
+  assert ragged["xla"]["seconds"] > 0 and ragged["pallas_gpu"]["seconds"] > 0 and ragged["max_abs_diff"] < 0.05
