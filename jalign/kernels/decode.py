@@ -13,7 +13,7 @@ impl:
 - `pallas_tpu`, `pallas_gpu`: the kernels (no sliding window: they mask by length alone; on TPU a head_dim that is
   a multiple of 128: Llama 3, Qwen, Mistral, Gemma, not SmolLM2's 64).
 - `auto`: the kernel of the target's platform (that of the mesh set by `jax.set_mesh`, else the default backend)
-  where it applies, else `xla`.
+  where it applies (no window; a cache of whole pages), else `xla`.
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ COMPUTE_BLOCK = 512   # keys per kernel step (pages_per_compute_block x PAGE), a
 TPU_HEAD_DIM = 128    # the TPU kernel's statistics take the head's block shape: it lowers for multiples of 128 only
 
 
-def decode_impl(impl: str, window, head_dim: int) -> str:
+def decode_impl(impl: str, window, head_dim: int, cache_len: int) -> str:
   """The impl `auto` stands for on the current target (see the module doc)."""
   if impl not in DECODE_IMPLS:
     raise ValueError(f"decode attention impl {impl!r}; available: {', '.join(DECODE_IMPLS)}")
   if impl != "auto":
     return impl
-  if window is not None and not (isinstance(window, int) and window <= 0):
+  if (window is not None and not (isinstance(window, int) and window <= 0)) or cache_len % PAGE:
     return "xla"
   kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(target_platform(), "xla")
   return "xla" if kernel == "pallas_tpu" and head_dim % TPU_HEAD_DIM else kernel
@@ -53,7 +53,7 @@ def decode_attention(q_BxNxH: jax.Array, k_BxKxSxH: jax.Array, v_BxKxSxH: jax.Ar
   if k_BxKxSxH.shape != v_BxKxSxH.shape or k_BxKxSxH.shape[0] != B or k_BxKxSxH.shape[3] != H or N % K:
     raise ValueError(f"decode attention shapes: q {q_BxNxH.shape} [B, N, H], k {k_BxKxSxH.shape} and v "
                      f"{v_BxKxSxH.shape} [B, K, S, H] with K dividing N")
-  impl = decode_impl(impl, window, H)
+  impl = decode_impl(impl, window, H, S)
   lengths_B = lengths_B.astype(jnp.int32)
   if impl == "xla":
     slot_S = jnp.arange(S, dtype=jnp.int32)

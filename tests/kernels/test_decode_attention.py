@@ -91,6 +91,17 @@ def test_bad_uses_say_what_is_accepted():
     decode_attention(q, k, v[:, :, :100], n, scale=1.0)
 
 
+def test_auto_takes_the_chips_kernel_only_where_it_applies():
+  from jalign.kernels import decode_impl
+  from jalign.parallel import tpu_target
+  assert decode_impl("auto", None, 128, 256) == "xla"  # CPU
+  with jax.set_mesh(jax.sharding.Mesh(np.asarray(tpu_target.target("v5e:2x2").devices), ("data",))):
+    assert decode_impl("auto", None, 128, 256) == "pallas_tpu"
+    assert decode_impl("auto", 0, 256, 1024) == "pallas_tpu"  # a window of 0 is none
+    for window, head_dim, cache_len in ((4096, 128, 256), (None, 64, 256), (None, 128, 200)):
+      assert decode_impl("auto", window, head_dim, cache_len) == "xla", (window, head_dim, cache_len)
+
+
 def _engine_decode_for_tpu(head_dim: int, mesh_shape=(1, 1, 1), slots=64, max_len=4096):
   """The continuous engine's decode chunk (4 layers of a 1B-class Llama, bf16, `slots` x `max_len` cache) compiled
   for TPU v5e chips, slots split over 'data'."""
