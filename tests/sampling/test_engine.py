@@ -117,3 +117,21 @@ def test_bad_slots_and_budgets(llama):
     sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=4, num_samples=4, slots=2)
   with pytest.raises(ValueError, match=r"budgets must be \[2\] .* max_new_tokens=4"):
     sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=4, budgets=[1, 5])
+
+
+def test_read_counters_follow_each_slots_length(llama):
+  """`stats`: per decode step, the dense form reads slots x the bound, a per-slot-length kernel each slot's length
+  (index + 1; a finished slot stands at length 1 from the step after its last). One prompt of 5 tokens, two samples
+  with budgets 3 and 5 (2 and 4 decode steps), two slots, one decode call (bound: the whole cache, prompt bucket 16
+  + max_new_tokens 8, under 5 + chunk 32 -> 64)."""
+  lm, _ = llama
+  ids, mask = np.asarray([[7, 8, 9, 10, 11]], np.int32), np.ones((1, 5), np.int32)
+  stats = {}
+  out = sampling.generate(lm, ids, mask, jax.random.key(0), max_new_tokens=8, num_samples=2, slots=2,
+                          budgets=np.asarray([3, 5]), stats=stats)
+  assert np.asarray(out.lengths).tolist() == [3, 5]
+  n = 5  # slot indices after the prefill: both at the prompt's length
+  per_step = [2 * (n + 1), 2 * (n + 2), 2 * (n + 3), 1 + (n + 4)]  # A finishes after step 2: read at n + 3, then 1
+  assert stats["decode_steps"] == 4
+  assert stats["read_lengths"] == pytest.approx(sum(per_step) / 4)
+  assert stats["read_bound"] == pytest.approx(2 * 24)
