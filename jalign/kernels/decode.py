@@ -30,13 +30,18 @@ COMPUTE_BLOCK = 512   # keys per kernel step (pages_per_compute_block x PAGE), a
 TPU_HEAD_DIM = 128    # the TPU kernel's statistics take the head's block shape: it lowers for multiples of 128 only
 
 
+def _windowed(window) -> bool:
+  """Whether a sliding window applies (0 or less is none; a traced one may)."""
+  return window is not None and not (isinstance(window, int) and window <= 0)
+
+
 def decode_impl(impl: str, window, head_dim: int, cache_len: int) -> str:
   """The impl `auto` stands for on the current target (see the module doc)."""
   if impl not in DECODE_IMPLS:
     raise ValueError(f"decode attention impl {impl!r}; available: {', '.join(DECODE_IMPLS)}")
   if impl != "auto":
     return impl
-  if (window is not None and not (isinstance(window, int) and window <= 0)) or cache_len % PAGE:
+  if _windowed(window) or cache_len % PAGE:
     return "xla"
   kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(target_platform(), "xla")
   return "xla" if kernel == "pallas_tpu" and head_dim % TPU_HEAD_DIM else kernel
@@ -70,7 +75,7 @@ def decode_attention(q_BxNxH: jax.Array, k_BxKxSxH: jax.Array, v_BxKxSxH: jax.Ar
       scores = jnp.tanh(scores / softcap) * softcap
     probs = jax.nn.softmax(jnp.where(valid_BxS[:, None, None], scores, _MASKED), axis=-1).astype(dt)
     return jnp.einsum("bkgs,bksh->bkgh", probs, v_BxKxSxH.astype(dt)).reshape(B, N, H)
-  if window is not None and not (isinstance(window, int) and window <= 0):
+  if _windowed(window):
     raise ValueError(f"decode attention impl {impl!r} masks by length alone; a sliding window ({window}) needs "
                      "impl='xla'")
   if impl == "pallas_tpu" and H % TPU_HEAD_DIM:
