@@ -105,6 +105,11 @@ class ModelConfig:
     return dataclasses.replace(self, **kw)
 
   @property
+  def decode_attention(self) -> str:
+    """`kernels.decode_attention`'s impl for decoding over a per-row cache: `xla` when `attention` is, else `auto`."""
+    return "xla" if self.attention == "xla" else "auto"
+
+  @property
   def scale(self) -> float:
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

@@ -188,7 +188,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
                                sliding_window=window, softcap=cfg.attn_softcap, scale=cfg.scale, impl="chunked")
     elif cache_index.ndim == 1 and q.shape[1] == 1:  # a packed per-row cache: each row read up to its length
       attn = kernels.decode_attention(q[:, 0], keys, values, cache_index + 1, scale=cfg.scale, softcap=cfg.attn_softcap,
-                                      window=window, impl="xla" if cfg.attention == "xla" else "auto")[:, None]
+                                      window=window, impl=cfg.decode_attention)[:, None]
     else:  # decoding (one query) and short prefills read the cache in place
       mask = _attention_mask(q_segment_BxT, k_segment, q_slot_BxT, slots(S), sliding_window=window)
       attn = gqa_attention(q, keys.astype(dt), values.astype(dt), mask, scale=cfg.scale, softcap=cfg.attn_softcap,

@@ -28,8 +28,7 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   `slots=None`: one static batch (every row decodes until the last one stops). `slots=k`: continuous batching over k
   cache slots (`jalign.sampling.engine`; a whole group at a time, so k >= num_samples; 0 or more than N = one slot per
   request), the same samples for the same `rng`; `stats` (a dict) gets the engine's decode counters (`engine.run`).
-  `budgets` [N]: each request's own token budget (<= max_new_tokens), as
-  a per-request max_tokens.
+  `budgets` [N]: each request's own token budget (<= max_new_tokens), as a per-request max_tokens.
   With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
   (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout."""
   prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
