@@ -28,24 +28,33 @@ class Counters:
 
 
 class _DropNone(grain.IterDataset):
-  def __init__(self, parent: grain.IterDataset, counters: Counters):
+  """Drops the records `load` could not use; a whole pass over the source without one it could use is a
+  DataError with the counts (a loader repeating forever would otherwise search for one forever)."""
+
+  def __init__(self, parent: grain.IterDataset, counters: Counters, source):
     super().__init__(parent)
     self._counters = counters
+    self._source = source
 
   def __iter__(self):
-    return _DropNoneIterator(self._parent.__iter__(), self._counters)
+    return _DropNoneIterator(self._parent.__iter__(), self._counters, self._source)
 
 
 class _DropNoneIterator(grain.DatasetIterator):
-  def __init__(self, parent, counters: Counters):
+  def __init__(self, parent, counters: Counters, source):
     super().__init__(parent)
     self._counters = counters
+    self._source = source
 
   def __next__(self):
-    while True:
+    for _ in range(len(self._source)):
       item = next(self._parent)
       if item is not None:
         return item
+    c = self._counters
+    raise DataError(f"{getattr(self._source, 'path', 'data source')}: {len(self._source)} records in a row were "
+                    f"dropped, a whole pass over the data ({c.too_long} too long for data.max_length, {c.bad} "
+                    "malformed so far): nothing left to train on")
 
   def get_state(self):
     return {"parent": self._parent.get_state(), "bad": self._counters.bad, "too_long": self._counters.too_long}
@@ -135,7 +144,7 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
   # Reading threads help on remote file systems; locally, encoding is GIL-bound and the threads' prefetch polling
   # costs more than it saves (benchmarks/data_load.py: 5,000 vs 1,800 records/s on 2 cores with grain's 16 / 500).
   options = grain.ReadOptions(num_threads=spec.read_threads, prefetch_buffer_size=4 * spec.read_threads)
-  it = _DropNone(ds.map(load).to_iter_dataset(options), counters)
+  it = _DropNone(ds.map(load).to_iter_dataset(options), counters, source)
   if batch_fn is not None:
     it = it.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=batch_fn)
   elif spec.packing:
@@ -166,7 +175,8 @@ class DataSection:
                                           # chosen/rejected length imbalance, checked before training
   max_length_ratio: float = bounded(1.5, ge=1)  # chosen/rejected mean-length ratio beyond which pair_checks reports it
   pairs_per_prompt: int = bounded(1, ge=1)  # pairs one prompt may have before pair_checks reports repeated prompts
-  check_records: int = bounded(0, ge=0)   # records read by the pair checks; 0 = all
+  check_records: int = bounded(10_000, ge=0)  # records (pairs, prompts) read before the first step to count what
+                                          # is kept and dropped, and by the pair checks; 0 = all
   # how a dataset's records map onto TRL's layouts (jalign.data.layouts): "auto" recognises GSM8K, MATH, HH-RLHF,
   # UltraFeedback, ShareGPT and LLaMA-Factory KTO records; "none" reads records as they are
   layout: Literal["auto", "none", "gsm8k", "math", "hh_rlhf", "ultrafeedback", "sharegpt", "kto_messages"] = "auto"

@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from jalign.data.layouts import split_shared_prompt
+from jalign.data.scan import Tally, scan
 from jalign.data.sft import TooLong, _check_messages, _check_text, _template_spans, _tokens_with_mask
 from jalign.data.sources import DataError
 from jalign.sampling import prompt_bucket
@@ -98,7 +99,7 @@ def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "
     what = (f"prompt has {prompt_len} tokens, not fewer than max_length={max_length}" if prompt_len >= max_length
             else f"{longest} tokens, more than max_length={max_length} (truncation='drop')")
     if truncation == "drop":
-      raise TooLong(what)
+      raise TooLong(what, length=prompt_len if prompt_len >= max_length else longest, limit=max_length)
     raise DataError(what + "; raise data.max_length, shorten the prompt or set data.truncation='drop' to skip")
   if longest > max_length:
     if truncation == "keep_start":  # cut the completions' ends
@@ -232,57 +233,48 @@ class PairStats:
     return out
 
   def summary(self) -> str:
-    return (f"{self.pairs} pairs; chosen {self.chosen_tokens_mean:.1f} / rejected {self.rejected_tokens_mean:.1f} "
+    return (f"over the {self.pairs} kept pairs: chosen {self.chosen_tokens_mean:.1f} / rejected {self.rejected_tokens_mean:.1f} "
             f"tokens on average (ratio {self.length_ratio:.2f}); {self.identical} identical pairs; "
             f"{self.duplicated_prompts} repeated prompts")
 
 
 def check_pairs(source, encode_fn: Callable[[dict], dict], *, limit: int = 0, skip_bad_records: bool = False
-                ) -> PairStats:
-  """Reads (the first `limit` or all) records once: one style per dataset, every record encodable (else DataError
-  naming file:line, unless skip_bad_records), and the statistics of `PairStats`."""
+                ) -> tuple[PairStats, Tally]:
+  """Reads (the first `limit` or all) records once (`data.scan`): one style per dataset, every record encodable
+  (else DataError naming file:line, unless skip_bad_records), and the statistics of `PairStats` over the kept
+  pairs."""
   stats = PairStats()
-  first_style: tuple[str, str] | None = None
+  first_style: list[tuple[str, str]] = []
   prompts: collections.Counter = collections.Counter()
-  chosen_len = rejected_len = 0
-  gold = ref = 0
-  n = len(source) if not limit else min(limit, len(source))
-  for i in range(n):
-    try:
-      record = source[i]
-      style = style_of(record)
-      if first_style is None:
-        first_style = (style, source.where(i))
-      elif style != first_style[0]:
-        raise DataError(f"{style} record in a dataset whose first record ({first_style[1]}) is {first_style[0]}; "
-                        "use one style per dataset")
-      ex = encode_fn(record)
-    except TooLong:
-      continue
-    except DataError as e:
-      where = source.where(i)
-      if skip_bad_records:
-        continue
-      msg = str(e) if str(e).startswith(where.split(":")[0]) else f"{where}: {e}"
-      raise DataError(msg) from None
-    stats.pairs += 1
+  sums = collections.Counter()
+
+  def encode(record):
+    style = style_of(record)
+    if first_style and style != first_style[0][0]:
+      raise DataError(f"{style} record in a dataset whose first record ({first_style[0][1]}) is "
+                      f"{first_style[0][0]}; use one style per dataset")
+    return encode_fn(record)
+
+  def kept(i, record, ex):
+    if not first_style:
+      first_style.append((style_of(record), source.where(i)))
     stats.identical += int(np.array_equal(ex["chosen"], ex["rejected"]))
     prompt_key = repr(record.get("prompt")) if "prompt" in record else repr(ex["chosen"][:_prompt_length(
         ex["chosen_mask"])].tolist())
     prompts[prompt_key] += 1
-    chosen_len += int(ex["chosen_mask"].sum())
-    rejected_len += int(ex["rejected_mask"].sum())
-    gold += "chosen_score" in ex and "rejected_score" in ex
-    ref += "ref_chosen_logps" in ex and "ref_rejected_logps" in ex
-  if stats.pairs == 0:
-    raise DataError(f"{getattr(source, 'path', 'data source')}: no usable preference pairs")
+    sums.update(chosen=int(ex["chosen_mask"].sum()), rejected=int(ex["rejected_mask"].sum()),
+                gold="chosen_score" in ex and "rejected_score" in ex,
+                ref="ref_chosen_logps" in ex and "ref_rejected_logps" in ex)
+
+  tally = scan(source, encode, limit=limit, skip_bad_records=skip_bad_records, noun="preference pairs", on_kept=kept)
+  stats.pairs = tally.kept
   stats.duplicated_prompts = sum(c - 1 for c in prompts.values())
   stats.most_pairs_per_prompt = max(prompts.values())
-  stats.chosen_tokens_mean = chosen_len / stats.pairs
-  stats.rejected_tokens_mean = rejected_len / stats.pairs
-  stats.has_gold = gold == stats.pairs
-  stats.has_ref_logps = ref == stats.pairs
-  return stats
+  stats.chosen_tokens_mean = sums["chosen"] / stats.pairs
+  stats.rejected_tokens_mean = sums["rejected"] / stats.pairs
+  stats.has_gold = sums["gold"] == stats.pairs
+  stats.has_ref_logps = sums["ref"] == stats.pairs
+  return stats, tally
 
 
 # ------------------------------------------------------------------------------------------ unpaired (KTO)
@@ -319,11 +311,13 @@ def encode_unpaired(record: dict, tok: Tokenizer, *, max_length: int, truncation
   plen = _prompt_length(mask)
   if plen >= max_length:
     if truncation == "drop":
-      raise TooLong(f"prompt has {plen} tokens, not fewer than max_length={max_length}")
+      raise TooLong(f"prompt has {plen} tokens, not fewer than max_length={max_length}", length=plen,
+                    limit=max_length)
     raise DataError(f"prompt has {plen} tokens, not fewer than max_length={max_length}")
   if len(ids) > max_length:
     if truncation == "drop":
-      raise TooLong(f"{len(ids)} tokens, more than max_length={max_length} (truncation='drop')")
+      raise TooLong(f"{len(ids)} tokens, more than max_length={max_length} (truncation='drop')", length=len(ids),
+                    limit=max_length)
     if truncation == "keep_start":
       ids, mask = ids[:max_length], mask[:max_length]
     else:
@@ -364,30 +358,24 @@ def kto_batch(buckets: tuple[int, ...]) -> Callable:
 
 
 def check_unpaired(source, encode_fn: Callable[[dict], dict], *, limit: int = 0, skip_bad_records: bool = False
-                   ) -> tuple[int, int]:
-  """(desirable, undesirable) example counts; DataError naming file:line for a bad record (unless skipped) or
-  when records give different numbers of examples (pairs and unpaired records mixed in one dataset)."""
+                   ) -> tuple[int, int, Tally]:
+  """(desirable, undesirable) example counts of the kept records and the tally (`data.scan`); DataError naming
+  file:line for a bad record (unless skipped) or when records give different numbers of examples (pairs and
+  unpaired records mixed in one dataset)."""
   counts = [0, 0]
-  per_record = None
-  for i in range(len(source) if not limit else min(limit, len(source))):
-    where = source.where(i)
-    try:
-      examples = encode_fn(source[i])["examples"]
-      if per_record is None:
-        per_record = (len(examples), where)
-      elif len(examples) != per_record[0]:
-        raise DataError(f"{'a preference pair' if len(examples) == 2 else 'an unpaired record'} in a dataset whose "
-                        f"first record ({per_record[1]}) is {'a pair' if per_record[0] == 2 else 'unpaired'}; use "
-                        "one layout per dataset")
-    except TooLong:
-      continue
-    except DataError as e:
-      if skip_bad_records:
-        continue
-      msg = str(e) if str(e).startswith(where.split(":")[0]) else f"{where}: {e}"
-      raise DataError(msg) from None
+  per_record: list[tuple[int, str]] = []
+
+  def kept(i, record, ex):
+    examples = ex["examples"]
+    if not per_record:
+      per_record.append((len(examples), source.where(i)))
+    elif len(examples) != per_record[0][0]:
+      first = per_record[0]
+      raise DataError(f"{source.where(i)}: {'a preference pair' if len(examples) == 2 else 'an unpaired record'} "
+                      f"in a dataset whose first record ({first[1]}) is {'a pair' if first[0] == 2 else 'unpaired'}; "
+                      "use one layout per dataset")
     for e in examples:
       counts[0 if e[3] else 1] += 1
-  if not sum(counts):
-    raise DataError(f"{getattr(source, 'path', 'data source')}: no usable examples")
-  return counts[0], counts[1]
+
+  tally = scan(source, encode_fn, limit=limit, skip_bad_records=skip_bad_records, on_kept=kept)
+  return counts[0], counts[1], tally

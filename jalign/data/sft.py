@@ -16,7 +16,12 @@ TRUNCATION = ("keep_start", "keep_end", "drop")
 
 
 class TooLong(DataError):
-  """A record longer than max_length under truncation='drop': always skipped and counted, never fatal."""
+  """A record longer than max_length under truncation='drop': always skipped and counted, never fatal. `length` is
+  the record's token count (its prompt's, when the prompt alone does not fit), `limit` the limit it exceeds."""
+
+  def __init__(self, message: str, *, length: int, limit: int):
+    super().__init__(message)
+    self.length, self.limit = length, limit
 
 
 def _check_messages(messages, key: str) -> list[dict]:
@@ -106,7 +111,8 @@ def encode(record: dict, tok: Tokenizer, *, max_length: int, truncation: str = "
     elif truncation == "keep_end":
       ids, mask = ids[-max_length:], mask[-max_length:]
     else:
-      raise TooLong(f"{len(ids)} tokens, more than max_length={max_length} (truncation='drop')")
+      raise TooLong(f"{len(ids)} tokens, more than max_length={max_length} (truncation='drop')",
+                    length=len(ids), limit=max_length)
   if not mask.any():
     raise DataError("no completion tokens left to learn from after truncation")
   return {"tokens": ids, "loss_mask": mask}

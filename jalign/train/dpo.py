@@ -77,8 +77,9 @@ class DpoTask(PreferenceTask):
     if not self.kto:
       return super().check(spec, source)
     d = self.cfg.data
-    good, bad = preference.check_unpaired(source, self._encode_fn(), limit=d.check_records,
-                                          skip_bad_records=d.skip_bad_records)
+    good, bad, tally = preference.check_unpaired(source, self.encode_fn(), limit=d.check_records,
+                                                 skip_bad_records=d.skip_bad_records)
+    say(f"data {spec}: {tally.summary()}")
     if d.pair_checks != "off":
       say(f"KTO data {spec}: {good} desirable and {bad} undesirable examples")
 
@@ -127,7 +128,7 @@ class DpoTask(PreferenceTask):
     return WithRefLogps(source, chosen, rejected)
 
   def _reference_pass(self, source) -> tuple[np.ndarray, np.ndarray]:
-    encode = self._encode_fn()
+    encode = self.encode_fn()
     index, examples = [], []
     for i in range(len(source)):
       try:

@@ -21,8 +21,10 @@ from jalign import models, parallel, tokenizer as tokenizer_lib
 from jalign.config import RunConfig, as_dict
 from jalign.models import lora
 from jalign.data import pipeline
+from jalign.data.scan import scan
 from jalign.data.sources import open_source
 from jalign.errors import ConfigError
+from jalign.parallel.distributed import say
 from jalign.train import optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_floats
@@ -85,6 +87,8 @@ class Task:
 
   def __init__(self, cfg: RunConfig):
     self.cfg = cfg
+    self.tok = None
+    self._sources: dict[str, Any] = {}
 
   def say(self, text: str) -> None:
     """A line for the user, through the run's metrics writer (process 0 only)."""
@@ -105,13 +109,15 @@ class Task:
 
   def start(self, setup: Setup) -> None:
     """Called once after the model is built and before anything else (the initial policy)."""
+    self.tok = setup.tok
 
   def build(self, setup: Setup, optimizer, schedule):
     """Builds what the steps need; returns the checkpointable iterator saved with the train state."""
     cfg = self.cfg
     self.setup = setup
-    encode_fn = functools.partial(self.encode, tok=setup.tok, max_length=cfg.data.max_length,
-                                  truncation=cfg.data.truncation)
+    for spec in filter(None, (cfg.data.train, cfg.data.eval)):
+      self.open_source(spec, train=spec == cfg.data.train)  # read once and reported before the first step
+    encode_fn = self.encode_fn()
     self.iterator, self.counters, self.source = data_iterator(cfg, cfg.data.train, encode_fn, train=True, task=self)
     self.batch_sharding = parallel.batch_sharding(setup.mesh)
     self.jitted = jit_step(self.make_loss_fn(setup.graphdef), optimizer, schedule, cfg.train.micro_batches,
@@ -173,8 +179,29 @@ class Task:
   def encode(self, record: dict, *, tok, max_length: int, truncation: str) -> dict:
     raise NotImplementedError
 
+  def encode_fn(self) -> Callable[[dict], dict]:
+    """`encode` with the run's tokenizer and length settings."""
+    d = self.cfg.data
+    return functools.partial(self.encode, tok=self.tok, max_length=d.max_length, truncation=d.truncation)
+
   def open_source(self, spec: str, *, train: bool):
-    return open_source(spec, self.cfg.data.fields())
+    """The source of `spec`, opened and read once (`check`) on first use, then wrapped (`wrap_source`)."""
+    if spec not in self._sources:
+      source = open_source(spec, self.cfg.data.fields())
+      self.check(spec, source)
+      self._sources[spec] = self.wrap_source(spec, source)
+    return self._sources[spec]
+
+  def check(self, spec: str, source) -> None:
+    """Reads (the first data.check_records of) a source once and says what a run keeps and drops, and why; a
+    source that keeps nothing is a DataError here, before the first step."""
+    d = self.cfg.data
+    tally = scan(source, self.encode_fn(), limit=d.check_records, skip_bad_records=d.skip_bad_records)
+    say(f"data {spec}: {tally.summary()}")
+
+  def wrap_source(self, spec: str, source):
+    """The source the pipeline reads, from the checked one (e.g. with precomputed columns added)."""
+    return source
 
   def global_batch(self, local: dict, sharding) -> dict:
     """A process-local host batch -> the global device batch (every process's local batch has the same shapes)."""
@@ -217,8 +244,7 @@ def setup(cfg: RunConfig, optimizer, task: Task | None = None) -> Setup:
 
 
 def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, task: Task | None = None):
-  task = task or Task(cfg)
-  source = task.open_source(spec, train=train)
+  source = task.open_source(spec, train=train) if task else open_source(spec, cfg.data.fields())
   rows = cfg.train.batch_size // jax.process_count()
   pspec = pipeline.PipelineSpec(batch_size=rows, seq_len=cfg.train.seq_len, packing=cfg.data.packing,
                                 buckets=cfg.data.buckets, shuffle=cfg.data.shuffle and train, seed=cfg.seed,
@@ -226,7 +252,7 @@ def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, t
                                 num_packing_bins=cfg.data.num_packing_bins, drop_remainder=train,
                                 read_threads=cfg.data.read_threads)
   ds, counters = pipeline.build(source, encode, pspec, process_index=jax.process_index(),
-                                process_count=jax.process_count(), batch_fn=task.batch_fn)
+                                process_count=jax.process_count(), batch_fn=task.batch_fn if task else None)
   return iter(ds), counters, source
 
 

@@ -13,7 +13,7 @@ from jalign.models.sharding import to_host
 from jalign.parallel.distributed import say
 from jalign.config import RunConfig
 from jalign.data import preference
-from jalign.data.sources import DataError, open_source
+from jalign.data.sources import DataError
 from jalign.data.sft import TooLong
 from jalign.train import loop
 
@@ -24,39 +24,23 @@ class PreferenceTask(loop.Task):
     self.buckets = tuple(sorted(cfg.data.buckets)) or (cfg.train.seq_len,)
     self.batch_fn = preference.pair_batch(self.buckets)
     self.stats: dict[str, preference.PairStats] = {}
-    self._sources: dict[str, object] = {}
-    self.tok = None
 
   def encode(self, record, *, tok, max_length, truncation):
     return preference.encode(record, tok, max_length=max_length, truncation=truncation)
 
-  def _encode_fn(self) -> Callable[[dict], dict]:
-    d = self.cfg.data
-    return lambda r: self.encode(r, tok=self.tok, max_length=d.max_length, truncation=d.truncation)
-
   def start(self, setup: loop.Setup) -> None:
-    self.tok = setup.tok
+    super().start(setup)
     self.mesh = setup.mesh
     for spec in filter(None, (self.cfg.data.train, self.cfg.data.eval)):
-      self.checked_source(spec)
-
-  def open_source(self, spec: str, *, train: bool):
-    return self.checked_source(spec)
-
-  def checked_source(self, spec: str):
-    """The source of `spec`, opened and checked once (see `check`), then wrapped (see `wrap_source`)."""
-    if spec not in self._sources:
-      source = open_source(spec, self.cfg.data.fields())
-      self.check(spec, source)
-      self._sources[spec] = self.wrap_source(spec, source)
-    return self._sources[spec]
+      self.open_source(spec, train=spec == self.cfg.data.train)
 
   def check(self, spec: str, source) -> None:
     """The pair checks: reported, fatal under data.pair_checks='error'; bad records stop here with file:line."""
     d = self.cfg.data
-    stats = preference.check_pairs(source, self._encode_fn(), limit=d.check_records,
-                                   skip_bad_records=d.skip_bad_records)
+    stats, tally = preference.check_pairs(source, self.encode_fn(), limit=d.check_records,
+                                          skip_bad_records=d.skip_bad_records)
     self.stats[spec] = stats
+    say(f"data {spec}: {tally.summary()}")
     if d.pair_checks != "off":
       say(f"preference data {spec}: {stats.summary()}")
       problems = stats.problems(d.max_length_ratio, d.pairs_per_prompt)
@@ -65,9 +49,6 @@ class PreferenceTask(loop.Task):
                         "continues)")
       for p in problems:
         say(f"warning: {spec}: {p}")
-
-  def wrap_source(self, spec: str, source):
-    return source
 
   def global_batch(self, local: dict, sharding) -> dict:
     if "prompt_mask" in local and jax.process_count() > 1:  # local split widths differ: agree on the widest
@@ -78,8 +59,8 @@ class PreferenceTask(loop.Task):
 
   def examples(self, spec: str, limit: int = 0) -> list[dict]:
     """Encoded pairs of `spec` (the first `limit`; 0 = all), skipping those the pipeline would skip."""
-    source = self.checked_source(spec)
-    encode = self._encode_fn()
+    source = self.open_source(spec, train=False)
+    encode = self.encode_fn()
     out = []
     for i in range(len(source) if not limit else min(limit, len(source))):
       try:

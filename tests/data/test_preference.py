@@ -129,7 +129,7 @@ def test_checks_report_identical_duplicates_and_length_imbalance(tmp_path, tok):
               "chosen": [{"role": "assistant", "content": "#### 2 because one and one make two, as you know"}],
               "rejected": [{"role": "assistant", "content": "#### 3"}]}]
   src = open_source(_write_jsonl(tmp_path / "p.jsonl", records))
-  stats = preference.check_pairs(src, functools.partial(preference.encode, tok=tok, max_length=64))
+  stats, _ = preference.check_pairs(src, functools.partial(preference.encode, tok=tok, max_length=64))
   assert stats.pairs == 4 and stats.identical == 1 and stats.duplicated_prompts == 2
   assert stats.length_ratio > 1.5
   problems = " ".join(stats.problems(1.5))
@@ -158,7 +158,7 @@ def test_bad_records_name_file_and_line(tmp_path, tok, record, raw, message):
   with pytest.raises(DataError, match=message):
     preference.check_pairs(open_source(path), encode)
   # skip_bad_records: the bad one is left out, the good one counted
-  assert preference.check_pairs(open_source(path), encode, skip_bad_records=True).pairs == 1
+  assert preference.check_pairs(open_source(path), encode, skip_bad_records=True)[0].pairs == 1
 
 
 def test_shipped_reward_model_pairs_are_ones_digit_slips_of_train_questions():
