@@ -9,12 +9,18 @@ import numpy as np
 
 from jalign import sampling
 from jalign.data.layouts import NAMES
-from jalign.errors import UserError
+from jalign.data.scan import Tally, scan
+from jalign.data.sft import TooLong
+from jalign.errors import DataError
 from jalign.tokenizer import Tokenizer
 
 
-class PromptError(UserError):
+class PromptError(DataError):
   """A prompt record that cannot be used; the message names the record."""
+
+
+class PromptTooLong(PromptError, TooLong):
+  """A prompt longer than the sampler allows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,19 +46,20 @@ def ground_truth_of(record: dict) -> str | None:
 def encode_prompt(record: Any, tok: Tokenizer, *, index: int, where: str, max_length: int) -> Prompt:
   """`prompt` as a string (one user turn) or a message list (verl's layout), rendered with the chat template and
   its generation prompt (plain encoding when the tokenizer has no template)."""
+  at = f"{where}: " if where else ""
   if not isinstance(record, dict) or "prompt" not in record:
     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-    raise PromptError(f"{where}: record has no 'prompt' field (it has {keys}); name the prompt's field with "
+    raise PromptError(f"{at}record has no 'prompt' field (it has {keys}); name the prompt's field with "
                       "data.prompt_key, or a layout with data.layout (accepted: " + ", ".join(NAMES) + ")")
   prompt = record["prompt"]
   if isinstance(prompt, str):
     if not prompt.strip():
-      raise PromptError(f"{where}: empty prompt")
+      raise PromptError(f"{at}empty prompt")
     messages = [{"role": "user", "content": prompt}]
   elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
     messages = prompt
   else:
-    raise PromptError(f"{where}: 'prompt' must be a non-empty string or message list, found {str(prompt)[:60]!r}")
+    raise PromptError(f"{at}'prompt' must be a non-empty string or message list, found {str(prompt)[:60]!r}")
   if tok.chat_templates:
     text = tok.render_chat(messages, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
@@ -60,9 +67,24 @@ def encode_prompt(record: Any, tok: Tokenizer, *, index: int, where: str, max_le
     text = messages[-1]["content"]
     ids = tok.encode(text)
   if len(ids) > max_length:
-    raise PromptError(f"{where}: prompt has {len(ids)} tokens, more than the allowed {max_length} "
-                      "(sampling.max_prompt_length, bounded by the model's context minus max_new_tokens)")
+    raise PromptTooLong(f"{at}prompt has {len(ids)} tokens, more than the allowed {max_length} ({LIMIT})",
+                        length=len(ids), limit=max_length)
   return Prompt(index, ids, text, ground_truth_of(record), where)
+
+
+LIMIT = "sampling.max_prompt_length, bounded by the model's context minus sampling.max_new_tokens"
+
+
+def check_prompts(source, encode, *, limit: int = 0) -> Tally:
+  """Encodes (the first `limit`, 0 = all) prompts of `source` with `encode(record, index=, where=)` before the first
+  step: a malformed prompt is a PromptError naming file:line; prompts longer than the sampler allows are one
+  PromptError with their count, the longest and the first of them."""
+  tally = scan(source, lambda record: encode(record, index=0, where=""), limit=limit, skip_bad_records=None,
+               noun="prompts", limit_key="the prompt limit")
+  if tally.too_long:
+    raise PromptError(f"{getattr(source, 'path', 'prompts')}: {tally.summary()}; the prompt limit is {LIMIT}: "
+                      "raise it or shorten the prompts")
+  return tally
 
 
 def left_pad(prompts: list[Prompt], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

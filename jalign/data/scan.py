@@ -24,6 +24,7 @@ class Tally:
   too_long: int = 0
   longest: int = 0                 # tokens of the longest record dropped as too long
   limit: int = 0                   # the limit it exceeded
+  first_long: str = ""             # file:line of the first record dropped as too long
   bad: int = 0                     # malformed records skipped (data.skip_bad_records)
   first_bad: str = ""              # "file:line: reason" of the first of them
 
@@ -34,7 +35,8 @@ class Tally:
       read += f" (the first {self.read}: data.check_records={self.read})"
     reasons = []
     if self.too_long:
-      reasons.append(f"{self.too_long} too long: longest {self.longest} tokens, {self.limit_key}={self.limit}")
+      reasons.append(f"{self.too_long} too long: longest {self.longest} tokens, {self.limit_key}={self.limit}; the "
+                     f"first: {self.first_long}")
     if self.bad:
       reasons.append(f"{self.bad} malformed, skipped by data.skip_bad_records; the first: {self.first_bad}")
     dropped = self.too_long + self.bad
@@ -48,7 +50,7 @@ def where_error(source, index: int, error: Exception) -> str:
   return text if text.startswith(where.split(":")[0]) else f"{where}: {text}"
 
 
-def scan(source, encode: Callable[[dict], object], *, limit: int = 0, skip_bad_records: bool = False,
+def scan(source, encode: Callable[[dict], object], *, limit: int = 0, skip_bad_records: bool | None = False,
          noun: str = "records", limit_key: str = "data.max_length",
          on_kept: Callable[[int, dict, object], None] | None = None) -> Tally:
   """Encodes (the first `limit`, 0 = all) records of `source` once, calling `on_kept(index, record, example)` for
@@ -63,11 +65,12 @@ def scan(source, encode: Callable[[dict], object], *, limit: int = 0, skip_bad_r
     except TooLong as e:
       tally.too_long += 1
       tally.longest, tally.limit = max(tally.longest, e.length), e.limit
+      tally.first_long = tally.first_long or source.where(i)
       continue
     except DataError as e:
       if not skip_bad_records:
-        raise DataError(where_error(source, i, e) + " (set data.skip_bad_records=True to skip such records)") \
-            from None
+        hint = "" if skip_bad_records is None else " (set data.skip_bad_records=True to skip such records)"
+        raise DataError(where_error(source, i, e) + hint) from None
       tally.bad += 1
       tally.first_bad = tally.first_bad or where_error(source, i, e)
       continue

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jalign import sampling
-from jalign.data.prompts import Prompt, encode_prompt, ground_truth_of, left_pad
+from jalign.data.prompts import Prompt, check_prompts, encode_prompt, ground_truth_of, left_pad
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib, policy as policy_lib
 from jalign.models.sharding import to_host
+from jalign.parallel.distributed import say
 from jalign.errors import ConfigError
 from jalign.rl import agent, env as env_lib, rollout
 from jalign.rl.config import GrpoSection
@@ -25,12 +26,15 @@ class RolloutStage:
   """Prompts from `grpo.prompts` (online) or groups from `grpo.buffer` (offline), as `Groups`."""
 
   def __init__(self, g: GrpoSection, s: SamplingSection, tok, rewards: RewardSpec, *, fields, max_prompt: int,
-               context: int, mesh=None, rules=None, model_reward=None):
+               context: int, mesh=None, rules=None, model_reward=None, check_records: int = 0):
     self.g, self.spec, self.tok, self.rewards = g, s, tok, rewards
     self.mesh, self.rules, self.model_reward = mesh, rules, model_reward
     self.encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
     self.offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
     self.source = open_source(g.prompts, fields) if self.offline is None else self.offline
+    if self.offline is None and not g.env:  # every prompt a step may draw fits, or the run ends here
+      tally = check_prompts(self.source, self.encode, limit=check_records)
+      say(f"prompts {g.prompts}: {tally.summary()}")
     self.make_env = None
     if g.env:
       metric = next((name for name, _ in rewards.weights if name in NEEDS_GROUND_TRUTH), None)

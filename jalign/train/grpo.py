@@ -77,7 +77,8 @@ class GrpoTask(loop.Task):
     self.sample_mesh = setup.rollout_mesh or mesh  # sampling's devices: the training mesh's, or set apart
     self.stage = RolloutStage(g, s, tok, self.rewards, fields=cfg.data.fields(), max_prompt=max_prompt,
                               context=setup.model_cfg.max_position_embeddings, mesh=self.sample_mesh,
-                              rules=s.rules(cfg.mesh.rules), model_reward=model_reward)
+                              rules=s.rules(cfg.mesh.rules), model_reward=model_reward,
+                              check_records=cfg.data.check_records)
     self.eval_prompts = []
     if g.eval_prompts and self.metric:
       eval_source = open_source(g.eval_prompts, cfg.data.fields())

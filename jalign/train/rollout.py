@@ -6,6 +6,7 @@ exactly once and the same samples it would have drawn uninterrupted.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -16,7 +17,8 @@ from jalign.config import RunConfig
 from jalign.files import output_path
 from jalign.data.sources import open_source
 from jalign.rl.buffer import BufferWriter
-from jalign.data.prompts import PromptError, encode_prompt
+from jalign.data.prompts import PromptError, check_prompts, encode_prompt
+from jalign.parallel.distributed import say
 from jalign.rl.rollout import rollout_batch
 from jalign.train.loop import load_model
 from jalign import tokenizer as tokenizer_lib
@@ -37,6 +39,9 @@ def run(cfg: RunConfig) -> dict:
   total = min(len(source), cfg.rollout.limit) if cfg.rollout.limit else len(source)
   if total == 0:
     raise PromptError(f"{cfg.rollout.prompts}: no prompts")
+  encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
+  tally = check_prompts(source, encode, limit=min(total, cfg.data.check_records or total))
+  say(f"prompts {cfg.rollout.prompts}: {tally.summary()}")
   out_dir = output_path(cfg.run_dir, cfg.rollout.output or "buffer")  # validated to lie inside run_dir
   writer = BufferWriter(out_dir, cfg.rollout.format)
   per_batch = cfg.rollout.prompts_per_batch
@@ -55,7 +60,7 @@ def run(cfg: RunConfig) -> dict:
         continue
       prompts = []
       for i in range(b * per_batch, min((b + 1) * per_batch, total)):
-        prompts.append(encode_prompt(source[i], tok, index=i, where=source.where(i), max_length=max_prompt))
+        prompts.append(encode(source[i], index=i, where=source.where(i)))
       records, stats = rollout_batch(lm, tok, prompts, jax.random.fold_in(key, b), s, rewards, policy_id,
                                      mesh=mesh, rules=s.rules(cfg.mesh.rules), model_reward=model_reward)
       rewards_sum += stats["rollout/reward_mean"] * len(records)
