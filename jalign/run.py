@@ -7,7 +7,17 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a signal while the libraries below import: one line, no traceback
+  def _early_exit(signum, frame):
+    name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else "SIGTERM"
+    print(f"{name} before this run finished a step: nothing new to save; exiting with status {128 + signum}",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+  signal.signal(signal.SIGINT, _early_exit)
+  signal.signal(signal.SIGTERM, _early_exit)
 
 import jax
 import ml_collections
@@ -134,10 +144,12 @@ def _main(argv):
   except OSError as e:  # a config file that does not load: ml_collections reports it on first use
     raise ConfigError(f"--config: the config file does not load: {str(e).strip().splitlines()[-1].strip()}") from e
   from jalign.train.loop import NonFiniteError
-  from jalign.train.preemption import EXIT_CODE, Preempted
+  from jalign.train import preemption, rundir
+  from jalign.train.preemption import Preempted
   try:  # the multi-process runtime first: the device count below is the global one
     section = to_dataclass(DistributedSection, _CONFIG.value.get("distributed", {}), "config.distributed")
     distributed.initialize(section)
+    preemption.install()  # from here a signal ends start-up at once, with a line instead of a traceback
     if is_pipeline:
       from jalign.train import pipeline
       pipeline.stage_configs(_CONFIG.value, jax.device_count())  # every stage's config checked before any runs
@@ -147,14 +159,16 @@ def _main(argv):
     raise
   except ValueError as e:  # the config's checks (ml_collections' and the sections' own) name the key
     raise ConfigError(str(e)) from e
+  run_dir = _CONFIG.value.get("run_dir") if is_pipeline else cfg.run_dir
   try:
-    final = pipeline.run(_CONFIG.value, jax.device_count()) if is_pipeline else TASKS[cfg.task](cfg)
+    with rundir.claimed(run_dir):
+      final = pipeline.run(_CONFIG.value, jax.device_count()) if is_pipeline else TASKS[cfg.task](cfg)
   except NonFiniteError as e:
     raise SystemExit(f"stopped: {e}") from None
   except Preempted as e:  # a distinct status, so supervisors restart it; the same command resumes
-    print(f"preempted: {e}; exit status {EXIT_CODE}", flush=True)
+    print(e, flush=True)
     distributed.shutdown()
-    raise SystemExit(EXIT_CODE) from None
+    raise SystemExit(e.code) from None
   if not is_pipeline and cfg.task not in ("eval", "rollout") and distributed.is_main():
     from jalign.eval import report
     print(f"report: {report.build(cfg.run_dir)}", flush=True)

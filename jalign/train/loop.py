@@ -1,8 +1,8 @@
 """The training loop shared by every objective: model and data on the mesh, jitted step, checkpoints, metrics.
 
 Step N+1 is dispatched before step N's metrics are read back, so the host never waits on the device just to log.
-SIGTERM (how Cloud TPU spot VMs and Kubernetes preempt) finishes the current step, saves it and stops with
-`preemption.Preempted` (exit status 143); see jalign/train/preemption.py.
+SIGTERM (how Cloud TPU spot VMs and Kubernetes preempt) or Ctrl-C finishes the current step, saves it and stops with
+`preemption.Preempted` (exit status 143 or 130); see jalign/train/preemption.py.
 """
 from __future__ import annotations
 
@@ -356,6 +356,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
     while step < cfg.train.steps:
       state, out = task.train_step(state, step + 1)
       step += 1
+      preempt.ready = True  # from here a signal saves this step instead of ending the run at once
       if pending is not None:
         final = flush(*pending)
       pending = (step, out)

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from jalign import files
 from jalign.config import LogSection
 from jalign.models.config import ModelConfig
 from jalign.models.sharding import to_host
@@ -52,7 +53,9 @@ class MetricsWriter:
       return
     os.makedirs(run_dir, exist_ok=True)
     if cfg.jsonl:
-      self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+      path = os.path.join(run_dir, "metrics.jsonl")
+      _keep_until(path, start_step)
+      self._jsonl = open(path, "a", encoding="utf-8")
     if cfg.tensorboard:
       try:
         from tensorboardX import SummaryWriter
@@ -111,6 +114,27 @@ class MetricsWriter:
       self._tb.close()
     if self._wandb:
       self._wandb.finish()
+
+
+def _keep_until(path: str, step: int) -> None:
+  """Drops the rows of `path` past `step` (the checkpoint a run resumes from, 0 for a fresh start): steps an
+  interrupted run logged after its last checkpoint are run again, and logged once."""
+  if not os.path.exists(path):
+    return
+  kept, dropped = [], 0
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:  # a line cut short by a kill mid-write
+        dropped += 1
+        continue
+      if isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and row["step"] <= step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+      else:
+        dropped += 1
+  if dropped:
+    files.write_text(path, "".join(kept))
 
 
 def to_floats(metrics: dict) -> dict[str, float]:

@@ -9,6 +9,8 @@ Environment:
   KILL_AT_PART=n       SIGKILL when a rollout is about to write buffer part n
   KILL_RUN_DIR=text    limits the checkpoint kills to checkpoint directories containing `text` (a pipeline stage)
   TERM_AT_BATCH=n      SIGTERM (a preemption notice) to itself when the n-th training batch is placed
+  SIGNAL_AT_BATCH=S:n  signal S (INT, TERM) to itself when the n-th training batch is placed
+  SIGNAL_AGAIN_AFTER_S=x  ... and the same signal again x seconds later
   SLOW_SAVE=k:x        the save of checkpoint k first waits x seconds (a slow file system)
   TIME_FILE=path       writes the seconds from the first training batch to a normal exit there
 """
@@ -51,6 +53,7 @@ def main():
   # Batches placed on the devices: by the shared loop, or (rollouts held whole) by GRPO / PPO.
   at_batch, term_at, kill_after, time_file = env("KILL_AT_BATCH"), env("TERM_AT_BATCH"), env("KILL_AFTER_S"), \
       env("TIME_FILE")
+  signal_at = env("SIGNAL_AT_BATCH")
   calls = {"n": 0}
 
   def on_batch():
@@ -65,6 +68,11 @@ def main():
       _die()
     if term_at and calls["n"] == int(term_at):
       os.kill(os.getpid(), signal.SIGTERM)
+    if signal_at and calls["n"] == int(signal_at.split(":")[1]):
+      signum = getattr(signal, "SIG" + signal_at.split(":")[0])
+      os.kill(os.getpid(), signum)
+      if env("SIGNAL_AGAIN_AFTER_S"):
+        threading.Timer(float(env("SIGNAL_AGAIN_AFTER_S")), os.kill, (os.getpid(), signum)).start()
 
   def counting(real):
     def wrapped(*args, **kwargs):
