@@ -20,7 +20,7 @@ from jalign.kernels.logprobs import LogprobOptions
 from jalign.models.config import ModelSection
 from jalign.objectives.dpo import DpoSection
 from jalign.objectives.reward import RewardModelSection
-from jalign.parallel.distributed import DistributedSection
+from jalign.parallel.distributed import DistributedSection, say
 from jalign.parallel.shardings import MeshSection
 from jalign.rl.buffer import RolloutSection
 from jalign.rl.config import GrpoSection
@@ -47,7 +47,7 @@ class TrainSection:
 class OptimSection:
   lr: float = bounded(1e-4, gt=0)
   schedule: Literal["cosine", "linear", "constant"] = "cosine"
-  warmup_steps: int = bounded(0, ge=0)    # at most train.steps
+  warmup_steps: int = bounded(0, ge=0)    # clipped to train.steps (with a warning)
   min_lr_ratio: float = bounded(0.0, ge=0, le=1)  # cosine/linear end value as a fraction of lr
   weight_decay: float = bounded(0.0, ge=0)  # AdamW, not applied to norm scales and biases
   b1: float = bounded(0.9, ge=0, lt=1)
@@ -110,8 +110,9 @@ def validate(values, num_devices: int) -> RunConfig:
   """ConfigDict -> RunConfig, plus the checks that involve several sections and the machine."""
   cfg = sections.to_dataclass(RunConfig, values)
   t, m = cfg.train, cfg.mesh
-  if cfg.optim.warmup_steps > t.steps:
-    raise ConfigError(f"config.optim.warmup_steps={cfg.optim.warmup_steps}: must be in [0, train.steps={t.steps}]")
+  if cfg.optim.warmup_steps > t.steps and cfg.task not in ("rollout", "eval"):  # a run cut short on the command line
+    say(f"warning: config.optim.warmup_steps={cfg.optim.warmup_steps} is more than train.steps={t.steps}: the "
+        f"warmup is clipped to {t.steps} steps")
   if any(s == 0 or s < -1 for s in m.shape) or list(m.shape).count(-1) > 1:
     raise ConfigError(f"config.mesh.shape={m.shape}: sizes must be positive, with at most one -1 (the rest)")
   fixed = 1
@@ -128,7 +129,7 @@ def validate(values, num_devices: int) -> RunConfig:
                       f"{dp * t.micro_batches}")
   cfg.data.check(cfg.task, t.seq_len)
   if cfg.task == "rm":
-    cfg.rm.check(export_hf=cfg.checkpoint.export_hf, warmup_steps=cfg.optim.warmup_steps)
+    cfg.rm.check(export_hf=cfg.checkpoint.export_hf)
   if cfg.task == "dpo":
     cfg.dpo.check()
   if cfg.task in ("rollout", "grpo", "ppo", "eval"):

@@ -171,7 +171,7 @@ class RewardModelSection:
   members: tuple[RewardMember, ...] = ()  # () = one reward model; else an ensemble: the run's model + these, scores
                                           # summed (jalign/train/reward.py)
 
-  def check(self, *, export_hf: bool, warmup_steps: int) -> None:
+  def check(self, *, export_hf: bool) -> None:
     if export_hf and (self.head != "linear" or self.head_bias):
       raise ConfigError(f"config.rm.head={self.head!r}, head_bias={self.head_bias}: an HF sequence-classification "
                         "checkpoint holds one linear score without bias; use rm.head='linear', rm.head_bias=False or "
@@ -180,8 +180,8 @@ class RewardModelSection:
       key = f"config.rm.members[{i}]"
       if not m.train:
         raise ConfigError(f"{key}.train is empty: each member needs its training pairs (a file, glob or tfds spec)")
-      if m.steps <= 0 or warmup_steps > m.steps:
-        raise ConfigError(f"{key}.steps={m.steps}: must be positive and >= optim.warmup_steps={warmup_steps}")
+      if m.steps <= 0:
+        raise ConfigError(f"{key}.steps={m.steps}: must be positive")
     if self.members and not export_hf:
       raise ConfigError("config.rm.members: the ensemble is assembled from each member's exported checkpoint; set "
                         "checkpoint.export_hf=True")

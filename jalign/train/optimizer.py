@@ -8,18 +8,20 @@ from jalign.config import OptimSection
 
 
 def schedule(o: OptimSection, steps: int) -> optax.Schedule:
+  """Warmup (at most `steps`: a run cut short warms up over all of it) then decay to lr x min_lr_ratio at `steps`."""
   end = o.lr * o.min_lr_ratio
-  decay_steps = max(steps - o.warmup_steps, 1)
+  warmup_steps = min(o.warmup_steps, steps)
+  decay_steps = max(steps - warmup_steps, 1)
   if o.schedule == "cosine":
     decay = optax.cosine_decay_schedule(o.lr, decay_steps, alpha=o.min_lr_ratio)
   elif o.schedule == "linear":
     decay = optax.linear_schedule(o.lr, end, decay_steps)
   else:
     decay = optax.constant_schedule(o.lr)
-  if not o.warmup_steps:
+  if not warmup_steps:
     return decay
-  warmup = optax.linear_schedule(0.0, o.lr, o.warmup_steps)
-  return optax.join_schedules([warmup, decay], [o.warmup_steps])
+  warmup = optax.linear_schedule(0.0, o.lr, warmup_steps)
+  return optax.join_schedules([warmup, decay], [warmup_steps])
 
 
 def decay_mask(params) -> dict:
