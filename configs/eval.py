@@ -1,6 +1,7 @@
 """Evaluate a policy checkpoint (any HF-format causal LM directory) on held-out prompts of the built-in task.
 
-    python -m jalign.run --config=configs/eval.py --config.model.path=runs/grpo/hf
+    python -m jalign.run --config=configs/eval.py --config.model.path=runs/grpo/hf \
+        --config.eval.reference=jalign/assets/tiny_policy      # win rate and KL against the shipped policy
     python -m jalign.run --config=configs/eval.py --config.model.path=DIR --config.eval.reference=OTHER_DIR \
         --config.eval.reward_model=runs/rm/ensemble --config.eval.num_samples=8 --config.eval.pass_k="(1,4,8)"
 
@@ -20,8 +21,9 @@ def get_config(arg=None):
   c.task = "eval"
   c.run_dir = "runs/eval"
   c.model.path = os.path.join(ASSETS, "tiny_policy")   # tokenizer "" = the checkpoint's own tokenizer files
-  c.eval.update(examples=500, num_samples=8, pass_k=(1, 4, 8), reference=os.path.join(ASSETS, "tiny_policy"),
-                sft_data="synthetic:arith:test")
+  # No reference by default: the win rate and the KL need one with the model's tokenizer (the shipped policy's, for
+  # the demo's checkpoints: --config.eval.reference=jalign/assets/tiny_policy).
+  c.eval.update(examples=500, num_samples=8, pass_k=(1, 4, 8), sft_data="synthetic:arith:test")
   if arg == "tiny":
     c.run_dir = "runs/eval_tiny"
     c.eval.update(examples=16, num_samples=2, pass_k=(1, 2), batch_size=16)

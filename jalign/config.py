@@ -8,6 +8,7 @@ dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal
 
 import ml_collections
@@ -37,8 +38,9 @@ class TrainSection:
   seq_len: int = bounded(512, gt=0)
   log_every: int = bounded(10, gt=0)
   eval_every: int = bounded(0, ge=0)      # 0 = only at the end
-  eval_batches: int = bounded(8, ge=0)
-  eval_examples: int = bounded(256, ge=0)  # held-out task accuracy (generative check) at eval time
+  eval_batches: int = bounded(8, ge=0)    # held-out loss: batches of batch_size rows from data.eval
+  eval_examples: int = bounded(256, ge=0)  # held-out task check: prompts of the generative accuracy; a reward
+                                          # model's pairs (0 = eval_batches x batch_size pairs, both 0 = all)
   nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf loss or gradient: the update is never applied; then stop
                                           # naming the step and its records, or skip on (counted)
 
@@ -75,6 +77,9 @@ class LogSection:
   wandb: bool = False                     # when wandb is installed
   wandb_project: str = "jalign"
   peak_flops: float = bounded(0.0, ge=0)  # per device, for MFU; 0 = from the device kind when known
+  samples: int = bounded(2, ge=0)         # sampled completions shown with their rewards (RL, evaluation); 0 = none
+  samples_every: int = bounded(50, gt=0)  # steps between them (and the first step): console, samples.jsonl,
+                                          # TensorBoard text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +156,17 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError(f"config.model.path={cfg.model.path!r} is a reward-model ensemble (several checkpoints); use "
                       "one of its numbered member directories, or pass the ensemble as reward.model")
   return cfg
+
+
+def check_paths(cfg: RunConfig) -> None:
+  """The local files and directories the config names exist (a pipeline checks its stages' as they start: a later
+  stage's model is the previous stage's export)."""
+  named = {"model.path": cfg.model.path, "tokenizer": cfg.tokenizer, "reward.model": cfg.reward.model,
+           "eval.reference": cfg.eval.reference if cfg.task == "eval" else "",
+           "eval.reward_model": cfg.eval.reward_model if cfg.task == "eval" else ""}
+  for key, path in named.items():
+    if path and "://" not in path and not os.path.exists(path):
+      raise ConfigError(f"config.{key}={path!r}: not found (no such file or directory)")
 
 
 def _validate_lora(cfg: RunConfig) -> None:

@@ -4,6 +4,7 @@ Parses and validates the config, then runs its task. Each task wires an objectiv
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import os
@@ -25,7 +26,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jalign import files
-from jalign.config import RunConfig, validate
+from jalign.config import RunConfig, check_paths, validate
 from jalign.sections import to_dataclass
 from jalign.errors import ConfigError, UserError
 from jalign.parallel import distributed
@@ -61,9 +62,12 @@ def run_dpo(cfg: RunConfig) -> dict:
 
 def run_eval(cfg: RunConfig) -> dict:
   from jalign.eval.policy import evaluate
-  out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer, fields=cfg.data.fields())
+  from jalign.train.metrics import MetricsWriter
+  log = MetricsWriter(dataclasses.replace(cfg.log, jsonl=False, progress=False), cfg.run_dir, 0, 0, {})
+  out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer, fields=cfg.data.fields(),
+                 show=lambda rows: log.samples(0, rows), shown=cfg.log.samples)
+  log.close()
   if distributed.is_main():
-    os.makedirs(cfg.run_dir, exist_ok=True)
     path = os.path.join(cfg.run_dir, "eval.json")
     files.write_json(path, {"checkpoint": os.path.abspath(cfg.model.path), **out}, indent=1)
     for k, v in out.items():
@@ -155,6 +159,7 @@ def _main(argv):
       pipeline.stage_configs(_CONFIG.value, jax.device_count())  # every stage's config checked before any runs
     else:
       cfg = validate(_CONFIG.value, jax.device_count())
+      check_paths(cfg)
   except UserError:
     raise
   except ValueError as e:  # the config's checks (ml_collections' and the sections' own) name the key

@@ -177,6 +177,8 @@ def load(path: str) -> Tokenizer:
     except (gguf_tokenizer.GgufTokenizerError, spm.SpmError) as e:
       raise TokenizerError(str(e)) from None
     return Tokenizer(tk, config, config.get("chat_template"), source=path, files={"chat_template": path})
+  if not os.path.exists(path):
+    raise TokenizerError(f"{path}: not found (no such file or directory)")
   tok_file = os.path.join(path, "tokenizer.json")
   spm_file = os.path.join(path, "tokenizer.model")
   config = {}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+import time
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ from jalign import models, tokenizer as tokenizer_lib
 from jalign.data import preference, sft as sft_data
 from jalign.data.layouts import Fields
 from jalign.data.sources import DataError, open_source
-from jalign.errors import ConfigError
+from jalign.errors import ConfigError, UserError
+from jalign.parallel.distributed import say
 from jalign.eval import ranking
 from jalign.models.sharding import to_host
 from jalign.objectives import grpo as grpo_objective, sft as sft_objective
@@ -193,24 +195,62 @@ def load_prompts(e: EvalSection, tok, max_prompt_length: int, fields: Fields = F
           for i in range(min(len(source), e.examples))]
 
 
-def evaluate(e: EvalSection, path: str, *, tokenizer: str = "", fields: Fields = Fields()) -> dict[str, float]:
-  """Every metric the section asks for, for the HF checkpoint at `path` (see the module doc)."""
+def _load_reference(e: EvalSection, path: str, lm, prompts: list[Prompt]):
+  """The reference policy; a ConfigError naming it when it cannot score the model's samples: another vocabulary
+  (the KL and the win rate compare the two models on the same token ids) or a context too short for the prompts."""
+  try:
+    ref = models.from_pretrained(e.reference, dtype="float32")
+  except UserError as err:
+    raise ConfigError(f"config.eval.reference={e.reference!r}: {err}") from None
+  longest = max(len(p.ids) for p in prompts) + e.max_new_tokens
+  problem = None
+  if ref.cfg.vocab_size != lm.cfg.vocab_size:
+    problem = f"its vocabulary has {ref.cfg.vocab_size} tokens, the model's {lm.cfg.vocab_size}"
+  elif ref.cfg.max_position_embeddings < longest:
+    problem = (f"its context is {ref.cfg.max_position_embeddings} positions, the longest prompt plus "
+               f"eval.max_new_tokens {longest}")
+  if problem:
+    raise ConfigError(f"config.eval.reference={e.reference!r} cannot be compared with config.model.path={path!r}: "
+                      f"{problem}. Give a reference with the model's tokenizer (e.g. the model before training), or "
+                      "eval.reference='' to leave out the win rate and the KL")
+  return ref
+
+
+def shown_samples(r: Samples, scores: np.ndarray, k: int) -> list[dict]:
+  """The first `k` completions of `r`, decoded, with their scores: what a reader checks first when a reward never
+  fires."""
+  return [{"prompt": p.text, "completion": text, "reward": float(score), "ground_truth": p.ground_truth,
+           "where": p.where} for p, text, score in list(zip(r.owners(), r.texts, scores))[:k]]
+
+
+def evaluate(e: EvalSection, path: str, *, tokenizer: str = "", fields: Fields = Fields(),
+             show: Callable[[list[dict]], None] | None = None, shown: int = 2) -> dict[str, float]:
+  """Every metric the section asks for, for the HF checkpoint at `path` (see the module doc); `show` gets the first
+  `shown` greedy answers with their verifier scores. Says what it does as it goes."""
   if e.metric not in REGISTRY or e.metric not in NEEDS_GROUND_TRUTH:
     raise ConfigError(f"eval.metric={e.metric!r}: accepted verifiers: {', '.join(sorted(NEEDS_GROUND_TRUTH))}")
   if e.num_samples and any(k > e.num_samples for k in e.pass_k):
     raise ConfigError(f"eval.pass_k={e.pass_k}: every k must be <= eval.num_samples={e.num_samples}")
+  started = time.perf_counter()
+  tick = lambda: f"{time.perf_counter() - started:.0f} s"  # noqa: E731
   tok = tokenizer_lib.load(tokenizer or path)
   lm = models.from_pretrained(path, dtype="float32")
   max_prompt = lm.cfg.max_position_embeddings - e.max_new_tokens
   prompts = load_prompts(e, tok, max_prompt, fields)
+  ref = _load_reference(e, path, lm, prompts) if e.reference else None
+  say(f"eval: {len(prompts)} prompts of {e.prompts}, greedy answers of {path} ({tick()})")
   gen = functools.partial(generate, tok=tok, prompts=prompts, max_new_tokens=e.max_new_tokens,
                           batch_size=e.batch_size)
   greedy = gen(lm, temperature=0.0)
   correct = verify(e.metric, greedy)
+  if show is not None:
+    show(shown_samples(greedy, correct, shown))
   out = {"eval/accuracy": float(np.mean(correct)), "eval/response_length": float(np.mean(greedy.lengths)),
          "eval/prompts": float(len(prompts))}
+  say(f"eval: accuracy {out['eval/accuracy']:.4f} ({tick()})")
   samples = None
   if e.num_samples:
+    say(f"eval: {e.num_samples} samples per prompt for pass@k ({tick()})")
     samples = gen(lm, temperature=e.temperature, n=e.num_samples, seed=e.seed)
     hits = (verify(e.metric, samples) > 0.5).reshape(len(prompts), e.num_samples).sum(1)
     for k in e.pass_k:
@@ -219,8 +259,8 @@ def evaluate(e: EvalSection, path: str, *, tokenizer: str = "", fields: Fields =
   if e.reward_model:
     rm_greedy = reward_scores(e.reward_model, greedy, tok.pad_id)
     out["eval/rm_score"] = float(np.mean(rm_greedy))
-  if e.reference:
-    ref = models.from_pretrained(e.reference, dtype="float32")
+  if ref is not None:
+    say(f"eval: the reference {e.reference}: greedy answers, win rate and KL ({tick()})")
     ref_greedy = gen(ref, temperature=0.0)
     judge = e.judge if e.judge != "auto" else ("reward_model" if e.reward_model else "verifier")
     if judge == "reward_model":
@@ -237,6 +277,7 @@ def evaluate(e: EvalSection, path: str, *, tokenizer: str = "", fields: Fields =
           - sequence_logprobs(ref, own, tok.pad_id, temperature, e.batch_size))
     out["eval/kl_to_reference"] = float(np.mean(kl))
   if e.sft_data:
+    say(f"eval: perplexity on {e.sft_data} ({tick()})")
     out["eval/perplexity"] = perplexity(lm, tok, e.sft_data, max_length=lm.cfg.max_position_embeddings,
                                         batch_size=e.batch_size, fields=fields)
   if e.pairs and e.reward_model:

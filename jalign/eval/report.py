@@ -74,6 +74,21 @@ def _stage_info(directory: str) -> dict:
   return {"eval": json.load(open(evaluation, encoding="utf-8"))} if os.path.exists(evaluation) else {}
 
 
+def held_out(rows: list[dict]) -> dict:
+  """The newest logged value of every held-out figure (`eval/*`) in a run's metrics rows."""
+  out = {}
+  for r in sorted(rows, key=lambda r: r.get("step", 0)):
+    out.update({k: v for k, v in r.items() if k.startswith("eval/") and isinstance(v, (int, float))})
+  return out
+
+
+def columns(evaluations: list[dict]) -> list[tuple[str, str]]:
+  """(key, header) of the table: the named columns any stage has, then any other held-out figure, by name."""
+  present = set().union(*evaluations) if evaluations else set()
+  named = [(k, h) for k, h in COLUMNS if k in present]
+  return named + [(k, k) for k in sorted(present - {k for k, _ in COLUMNS})]
+
+
 def _ends(values: list[float]) -> tuple[float, float]:
   """Means of the first and the last fifth of a curve (single steps are noisy)."""
   k = max(1, len(values) // 5)
@@ -160,14 +175,16 @@ def build(run_dir: str) -> str:
   lines = [f"# Report: {os.path.abspath(run_dir)}", ""]
   if pipeline:
     lines += [f"Pipeline {' -> '.join(pipeline.get('order', []))} from `{pipeline.get('base_model', '')}`.", ""]
-  header = ["stage"] + [h for _, h in COLUMNS]
+  infos = [_stage_info(directory) for _, directory in stages]
+  metrics = [read_metrics(os.path.join(directory, "metrics.jsonl")) for _, directory in stages]
+  # a stage's own evaluation (stage.json / eval.json) over the held-out figures its training logged
+  evaluations = [{**held_out(rows), **info.get("eval", {})} for info, rows in zip(infos, metrics)]
+  table = columns(evaluations)
+  header = ["stage"] + [h for _, h in table]
   lines += ["## Held-out evaluation", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
   warnings, figures, previous = [], [], {}
-  for name, directory in stages:
-    info = _stage_info(directory)
-    evaluation = info.get("eval", {})
-    lines.append("| " + " | ".join([name] + [_cell(evaluation.get(k)) for k, _ in COLUMNS]) + " |")
-    rows = read_metrics(os.path.join(directory, "metrics.jsonl"))
+  for (name, directory), info, rows, evaluation in zip(stages, infos, metrics, evaluations):
+    lines.append("| " + " | ".join([name] + [_cell(evaluation.get(k)) for k, _ in table]) + " |")
     if rows:
       png = os.path.join(run_dir, "plots", f"{name}.png")
       if plot_stage(name, rows, png):
@@ -175,8 +192,9 @@ def build(run_dir: str) -> str:
     warnings += flags(name, rows, info, previous, pipeline.get("max_kl", {}).get(name))
     if info.get("task") != "rm" and evaluation:
       previous = evaluation
-  lines += ["", "Win rate and KL are against the base model (ties count half); accuracy is greedy on held-out "
-            "prompts, pass@k from samples.", "", "## Over-optimisation checks", ""]
+  lines += ["", "Each stage's final held-out figures (its evaluation, else the last logged). Win rate and KL are "
+            "against the base model (ties count half); accuracy is greedy on held-out prompts, pass@k from samples.",
+            "", "## Over-optimisation checks", ""]
   lines += [f"- WARNING {w}" for w in warnings] or ["- none: no stage raised its reward-model score while held-out "
                                                    "accuracy or win rate fell, and no KL bound was passed"]
   lines += ["", "## Training curves", ""]

@@ -135,15 +135,22 @@ def pair_scores(rm: RewardModel, batch: dict) -> jax.Array:
   return rm.head(hidden_last)[:, 0].reshape(b, two)
 
 
+def pair_losses(chosen_B, rejected_B, margin_B, cfg: RewardLossConfig):
+  """Bradley-Terry loss per pair, -log sigmoid(r_chosen - r_rejected - margin), plus TRL's reward centring
+  (center_rewards_coefficient x (r_chosen + r_rejected)^2)."""
+  losses = -jax.nn.log_sigmoid(chosen_B - rejected_B - margin_B)
+  if cfg.center_rewards_coefficient:
+    losses = losses + cfg.center_rewards_coefficient * (chosen_B + rejected_B) ** 2
+  return losses
+
+
 def make_loss_fn(graphdef, cfg: RewardLossConfig):
   def loss_fn(params, batch):
     rm = nnx.merge(graphdef, params)
     scores = pair_scores(rm, batch)
     chosen, rejected = scores[:, 0], scores[:, 1]
     diff = chosen - rejected
-    losses = -jax.nn.log_sigmoid(diff - batch["margin"])
-    if cfg.center_rewards_coefficient:
-      losses = losses + cfg.center_rewards_coefficient * (chosen + rejected) ** 2
+    losses = pair_losses(chosen, rejected, batch["margin"], cfg)
     n = jnp.asarray(losses.shape[0], jnp.float32)
     sums = {"accuracy": jnp.sum((diff > 0).astype(jnp.float32)), "margin": jnp.sum(diff),
             "rewards/chosen": jnp.sum(chosen), "rewards/rejected": jnp.sum(rejected)}

@@ -288,6 +288,16 @@ class GrpoTask(loop.Task):
     self.in_flight = {int(s): Rollout(Groups.from_json(r["groups"]), r["batches"], r["version"], r["seconds"])
                       for s, r in obj.items()}
 
+  def _shown(self, groups: Groups) -> list[dict]:
+    """The first completion of each of the first log.samples groups, decoded, with its reward."""
+    tok, rows = self.setup.tok, []
+    for i, prompt in enumerate(groups.prompts[:self.cfg.log.samples]):
+      j = i * groups.size
+      completion = tok.decode(groups.response[j, :int(groups.lengths[j])].tolist(), skip_special_tokens=False)
+      rows.append({"prompt": prompt.text, "completion": completion, "reward": float(groups.scores[j]),
+                   "ground_truth": prompt.ground_truth, "where": prompt.where})
+    return rows
+
   def train_step(self, state, step: int):
     cfg, g, n = self.cfg, self.cfg.grpo, self.spec.num_samples
     full, tok = self.setup.full, self.setup.tok
@@ -295,6 +305,8 @@ class GrpoTask(loop.Task):
     t0 = time.perf_counter()
     rollout, waited = self._rollout(state, step)
     sampled = rollout.sampled
+    if self.log is not None and self.log.wants_samples(step):
+      self.log.samples(step, self._shown(sampled))
     signal = sampled.informative()
     trained = sampled
     if self.compact_unit:  # leave out the groups the loss would mask: the same loss for less work

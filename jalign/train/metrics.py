@@ -49,9 +49,12 @@ class MetricsWriter:
     self.total = total_steps
     self._main = jax.process_index() == 0
     self._jsonl = self._tb = self._wandb = self._bar = None
+    self._start = start_step
     if not self._main:
       return
     os.makedirs(run_dir, exist_ok=True)
+    self._samples_path = os.path.join(run_dir, "samples.jsonl")
+    _keep_until(self._samples_path, start_step)
     if cfg.jsonl:
       path = os.path.join(run_dir, "metrics.jsonl")
       _keep_until(path, start_step)
@@ -93,6 +96,26 @@ class MetricsWriter:
     elif self.cfg.progress and shown:  # not a terminal (a log file, CI): one line per logged step
       print(f"step {step}/{self.total}: " + "  ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
 
+  def wants_samples(self, step: int) -> bool:
+    """Whether step `step` shows its sampled completions (the run's first step, then every log.samples_every)."""
+    return bool(self.cfg.samples) and (step == self._start + 1 or step % self.cfg.samples_every == 0)
+
+  def samples(self, step: int, rows: list[dict]) -> None:
+    """Sampled completions with their rewards ({"prompt", "completion", "reward", ...}): a line each on the console,
+    appended to run_dir/samples.jsonl and as TensorBoard text."""
+    if not self._main or not rows:
+      return
+    with open(self._samples_path, "a", encoding="utf-8") as f:
+      for r in rows:
+        f.write(json.dumps({"step": step, **r}) + "\n")
+    for r in rows:
+      extra = "".join(f", {k} {v!r:.40}" for k, v in r.items() if k not in ("prompt", "completion", "reward"))
+      self.print(f"step {step} sample (reward {r['reward']:.3f}{extra}): {_short(r['prompt'])!r} -> "
+                 f"{_short(r['completion'])!r}")
+    if self._tb:
+      text = "\n\n".join(f"**reward {r['reward']:.3f}**\n\n    {r['prompt']}\n\n    {r['completion']}" for r in rows)
+      self._tb.add_text("samples", text, step)
+
   def advance(self, n: int = 1) -> None:
     if self._bar is not None:
       self._bar.update(n)
@@ -114,6 +137,11 @@ class MetricsWriter:
       self._tb.close()
     if self._wandb:
       self._wandb.finish()
+
+
+def _short(text: str, keep: int = 160) -> str:
+  """The end of a long prompt and the start of a long completion are what a reader checks: keep both ends."""
+  return text if len(text) <= keep else text[:keep // 2] + " ... " + text[-keep // 2:]
 
 
 def _keep_until(path: str, step: int) -> None:

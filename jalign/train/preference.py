@@ -2,6 +2,7 @@
 set on the mesh."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import jax
@@ -72,13 +73,17 @@ class PreferenceTask(loop.Task):
           raise
     return out
 
-  def map_batches(self, examples: list[dict], fn: Callable[[dict], object]) -> list:
+  def map_batches(self, examples: list[dict], fn: Callable[[dict], object], what: str = "") -> list:
     """fn(device batch) for batches of train.batch_size pairs (the last one padded by repetition); returns the
-    host outputs, each cut to its real rows along the leading axis."""
+    host outputs, each cut to its real rows along the leading axis. With `what`, says how far it is every 30 s."""
     rows = self.cfg.train.batch_size
     sharding = parallel.batch_sharding(self.mesh)
     outs = []
+    started = shown = time.perf_counter()
     for start in range(0, len(examples), rows):
+      if what and time.perf_counter() - shown > 30:
+        shown = time.perf_counter()
+        say(f"{what}: {start} of {len(examples)} scored ({shown - started:.0f} s)")
       chunk = examples[start:start + rows]
       host = self.batch_fn(chunk + [chunk[-1]] * (rows - len(chunk)))
       device = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}

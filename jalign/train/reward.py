@@ -68,16 +68,35 @@ class RewardTask(PreferenceTask):
     super().start(setup)
     self._scores = jax.jit(lambda params, batch: objective.pair_scores(nnx.merge(setup.graphdef, params), batch))
 
+  def build(self, setup, optimizer, schedule):
+    iterator = super().build(setup, optimizer, schedule)
+    self.eval_loss = None  # the held-out loss comes from `evaluate`'s one pass over the held-out pairs
+    return iterator
+
   def evaluate(self, setup, params) -> dict:
+    """One pass over the held-out pairs (`eval_pairs`): the loss, the mean rewards, pairwise accuracy, mean margin
+    and the rank correlations, each under one name."""
     spec = self.cfg.data.eval
     if not spec:
       return {}
-    examples = self.examples(spec, self.cfg.train.eval_examples)
-    scores = np.concatenate(self.map_batches(examples, lambda b: self._scores(params, b)))  # [N, 2]
-    return pair_metrics(scores, examples)
+    examples = self.examples(spec, eval_pairs(self.cfg))
+    scores = np.concatenate(self.map_batches(examples, lambda b: self._scores(params, b),
+                                             what=f"held-out pairs of {spec}"))  # [N, 2]
+    margin = np.asarray([e.get("margin", 0.0) for e in examples], np.float32)
+    loss_cfg = objective.RewardLossConfig(self.cfg.rm.center_rewards_coefficient)
+    losses = np.asarray(objective.pair_losses(scores[:, 0], scores[:, 1], margin, loss_cfg))
+    return {"eval/loss": float(losses.mean()), "eval/rewards/chosen": float(scores[:, 0].mean()),
+            "eval/rewards/rejected": float(scores[:, 1].mean()), **pair_metrics(scores, examples)}
 
   def export(self, module, out_dir, tok) -> None:
     models.save_pretrained(module.backbone, out_dir, tokenizer=tok, score=module.head.w_out[...][:, 0])
+
+
+def eval_pairs(cfg: RunConfig) -> int:
+  """How many held-out pairs a reward model is evaluated on: train.eval_examples, else train.eval_batches batches of
+  train.batch_size pairs; 0 = all."""
+  t = cfg.train
+  return t.eval_examples or t.eval_batches * t.batch_size
 
 
 def pair_metrics(scores: np.ndarray, examples: list[dict]) -> dict:
@@ -120,7 +139,7 @@ def run(cfg: RunConfig) -> dict:
   if cfg.data.eval:
     tok = tokenizer_lib.load(os.path.join(path, "0"))
     scores = policy_eval.pair_metrics(path, tok, cfg.data.eval, max_length=cfg.data.max_length,
-                                      batch_size=cfg.train.batch_size, limit=cfg.train.eval_examples)
+                                      batch_size=cfg.train.batch_size, limit=eval_pairs(cfg))
     final.update({"ensemble/" + k.removeprefix("rm/"): v for k, v in scores.items()})
     say("reward-model ensemble: " + "  ".join(f"{k}={v:.4f}" for k, v in final.items() if k.startswith("ensemble/"))
         + f"  ({path})")
