@@ -27,12 +27,27 @@ from ml_collections import config_flags
 
 from jalign import files
 from jalign.config import RunConfig, check_paths, validate
-from jalign.sections import to_dataclass
+from jalign.sections import listing, to_dataclass
 from jalign.errors import ConfigError, UserError
 from jalign.parallel import distributed
 from jalign.parallel.distributed import DistributedSection
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Task config: configs/<task>.py[:arg]", lock_config=True)
+_LIST_KEYS = flags.DEFINE_bool("list_keys", False, "Print every key of --config with its value, type and bounds")
+
+HELP = """usage: python -m jalign.run --config=configs/<task>.py[:arg] [--config.<key>=<value> ...] [--list_keys]
+
+Runs the task of a config file (its `task` key: sft, rm, dpo, grpo, ppo, rollout, eval, or a pipeline of them):
+  configs/sft.py, rm.py, dpo.py, grpo.py, ppo.py, agent.py, rollout.py, eval.py, pipeline.py  (the demos; ':tiny' for
+  a seconds-long run), configs/recipes/*.py  (any Hugging Face or GGUF model on real data; ':smoke' for a short one)
+
+  --config.<key>=<value>   overrides any key, e.g. --config.train.steps=200 --config.run_dir=runs/mine
+  --list_keys              prints every key of the config with its value, type and bounds, then exits:
+                           python -m jalign.run --config=configs/grpo.py --list_keys
+
+A run writes run_dir/ (metrics.jsonl, checkpoints/, hf/, report.md) and resumes when rerun. Exit status: 0 done;
+2 a problem with the input (one `error:` line; JALIGN_TRACEBACK=1 shows the traceback); 130 Ctrl-C and 143 SIGTERM
+(the step saved; rerun to resume)."""
 
 
 def run_sft(cfg: RunConfig) -> dict:
@@ -120,11 +135,24 @@ def _flag_message(argv: list[str], e: Exception) -> str:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing; a command line it rejects (an unknown or mistyped --config.key, a config file that
-  raises) is a user error."""
+  raises) is a user error. `--help` prints HELP and exits 0."""
+  if any(a in ("-h", "-?", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+    print(HELP, flush=True)
+    raise SystemExit(0)
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - ml_collections raises KeyError, AttributeError, ValueError, flags.Error
     _user_error(ConfigError(_flag_message(argv, e)))
+
+
+def _list_keys(values: ml_collections.ConfigDict, is_pipeline: bool) -> None:
+  """Every key of the config (overrides applied) with its value, type and bounds."""
+  if is_pipeline:  # the pipeline's own keys; each stage's keys are those of its task's config
+    flat = lambda d, key: [line for k, v in d.items() for line in (  # noqa: E731
+        flat(v, f"{key}.{k}") if isinstance(v, dict) else [f"{key}.{k} = {v!r}"])]
+    print("\n".join(flat(values.to_dict(), "config")), flush=True)
+    return
+  print("\n".join(listing(RunConfig, values)), flush=True)
 
 
 def main(argv):
@@ -147,6 +175,9 @@ def _main(argv):
     is_pipeline = _CONFIG.value.get("task") == "pipeline"
   except OSError as e:  # a config file that does not load: ml_collections reports it on first use
     raise ConfigError(f"--config: the config file does not load: {str(e).strip().splitlines()[-1].strip()}") from e
+  if _LIST_KEYS.value:
+    _list_keys(_CONFIG.value, is_pipeline)
+    return
   from jalign.train.loop import NonFiniteError
   from jalign.train import preemption, rundir
   from jalign.train.preemption import Preempted

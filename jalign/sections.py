@@ -152,3 +152,38 @@ def to_dataclass(cls, values, key: str = "config"):
     return cls(**kwargs)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"{key}: {e}") from None
+
+
+def bounds_text(bounds) -> str:
+  """A field's declared bounds as a reader writes them: '> 0', '>= 1', 'in [0, 1)'."""
+  gt, ge, lt, le, _ = bounds
+  low = "" if gt is None and ge is None else (f"({gt}" if gt is not None else f"[{ge}")
+  high = "" if lt is None and le is None else (f"{lt})" if lt is not None else f"{le}]")
+  if low and high:
+    return f"in {low}, {high}"
+  if low:
+    return f"> {gt}" if gt is not None else f">= {ge}"
+  if high:
+    return f"< {lt}" if lt is not None else f"<= {le}"
+  return ""
+
+
+def listing(cls, values, key: str = "config") -> list[str]:
+  """One line per key of section `cls`, with its value in `values` (a mapping), its type and its bounds:
+  `config.train.steps = 1500  (int, > 0)`; sub-sections nested."""
+  if hasattr(values, "to_dict"):
+    values = values.to_dict()
+  hints = typing.get_type_hints(cls)
+  lines = []
+  for f in dataclasses.fields(cls):
+    if not f.init:
+      continue
+    value, tp = (values or {}).get(f.name), hints[f.name]
+    options = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)] or [tp]
+    if dataclasses.is_dataclass(options[0]) and isinstance(value, dict):
+      lines += listing(options[0], value, f"{key}.{f.name}")
+      continue
+    about = _describe(tp).replace("NoneType", "None") + (f", {bounds_text(f.metadata['bounds'])}" if "bounds" in f.metadata and
+                             bounds_text(f.metadata["bounds"]) else "")
+    lines.append(f"{key}.{f.name} = {value!r}  ({about})")
+  return lines

@@ -195,3 +195,77 @@ def test_a_run_dir_that_cannot_be_created_or_written_is_a_user_error(tmp_path, w
   assert "Traceback" not in proc.stderr
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
   assert errors == [errors[0]] and f"config.run_dir='{run_dir}': {reason}" in errors[0], proc.stderr[-2000:]
+
+
+def test_help_exits_0_and_says_how_to_list_keys():
+  proc = subprocess.run([sys.executable, "-m", "jalign.run", "--help"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("usage: python -m jalign.run --config=") and "--list_keys" in proc.stdout
+
+
+def test_list_keys_prints_every_key_with_value_type_and_bounds(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny",
+                         "--config.train.steps=7", "--list_keys"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = _lines(proc.stdout)
+  assert "config.train.steps = 7  (int, > 0)" in lines  # the override applied
+  assert "config.task = 'grpo'  (one of 'sft', 'rollout', 'grpo', 'ppo', 'rm', 'dpo', 'eval')" in lines
+  assert "config.grpo.clip_c = None  (float or None, > 1)" in lines
+  assert "config.sampling.temperature = 1.0  (float, >= 0)" in lines, [l for l in lines if "temperature" in l]
+  from jalign.config import RunConfig, defaults
+  from jalign.sections import listing
+  assert len(lines) == len(listing(RunConfig, defaults())) > 150  # every key, nothing else
+  assert not os.path.exists(ROOT + "/runs/grpo_tiny/.lock")
+
+
+def test_grpo_shows_sampled_completions_and_the_report_holds_its_held_out_accuracy(tmp_path):
+  run_dir = tmp_path / "run"
+  proc = _cli(run_dir, "--config.log.samples_every=2", config="grpo.py:tiny")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  shown = [line for line in proc.stdout.splitlines() if " sample (reward " in line]
+  assert [line.split()[1] for line in shown] == ["1", "1", "2", "2"], proc.stdout[-3000:]  # step 1, then every 2
+  rows = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
+  assert [r["step"] for r in rows] == [1, 1, 2, 2]
+  from jalign.rl.rewards import REGISTRY, Batch
+  for r in rows:  # the reward shown is the verifier's of the completion shown
+    assert r["prompt"].endswith("<|im_start|>assistant\n") and r["completion"]
+    assert r["reward"] == REGISTRY["gsm8k"](Batch([r["completion"]], [r["ground_truth"]], [1]))[0]
+  # report.md's held-out row: the final accuracy metrics.jsonl holds
+  metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  final = [m for m in metrics if "eval/accuracy" in m][-1]
+  table = [line for line in (run_dir / "report.md").read_text().splitlines() if line.startswith("| ")]
+  header = [c.strip() for c in table[0].strip("|").split("|")]
+  row = [c.strip() for c in table[2].strip("|").split("|")]
+  assert row[header.index("accuracy")] == f"{final['eval/accuracy']:.4f}"
+  assert row[header.index("eval/accuracy_initial")] == f"{final['eval/accuracy_initial']:.4f}"
+
+
+def test_eval_needs_no_reference_and_names_one_it_cannot_use(tmp_path):
+  import shutil
+  import jalign
+  policy = os.path.join(os.path.dirname(jalign.__file__), "assets", "tiny_policy")
+  short = tmp_path / "short_context"
+  shutil.copytree(policy, short)
+  config = json.load(open(short / "config.json"))
+  config["max_position_embeddings"] = 8
+  json.dump(config, open(short / "config.json", "w"))
+  flags = (f"--config.model.path={policy}", "--config.eval.sft_data=")
+  proc = _cli(tmp_path / "eval", *flags, f"--config.eval.reference={short}", config="eval.py:tiny")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert (f"error: config.eval.reference='{short}' cannot be compared with config.model.path='{policy}': its context "
+          "is 8 positions") in proc.stderr, proc.stderr[-2000:]
+  proc = _cli(tmp_path / "eval", *flags, config="eval.py:tiny")  # the defaults: no reference
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "eval: 16 prompts of synthetic:arith:test, greedy answers of" in proc.stdout
+  shown = [json.loads(line) for line in open(tmp_path / "eval" / "samples.jsonl")]
+  assert len(shown) == 2 and all("What is" in r["prompt"] and r["reward"] in (0.0, 1.0) for r in shown)
+  out = json.load(open(tmp_path / "eval" / "eval.json"))
+  assert "eval/win_rate" not in out and 0 <= out["eval/accuracy"] <= 1
+
+
+def test_a_missing_model_path_is_not_found(tmp_path):
+  proc = _cli(tmp_path / "run", f"--config.model.path={tmp_path / 'nope'}")
+  assert proc.returncode == 2
+  assert f"error: config.model.path='{tmp_path / 'nope'}': not found" in proc.stderr, proc.stderr[-2000:]
