@@ -17,7 +17,9 @@ def get_config(arg=None):
   c.task = "dpo"
   c.run_dir = "runs/hh_dpo"
   c.model.remat = "full"
-  c.data.update(truncation="drop", packing=False, max_length_ratio=3.0, skip_bad_records=True)
+  # batches of pairs of similar length (sorted within windows of 32 batches): HH pairs average ~100 tokens but
+  # run to 512, and a batch pads to its longest
+  c.data.update(truncation="drop", packing=False, max_length_ratio=3.0, skip_bad_records=True, group_by_length=32)
   c.train.update(steps=240, batch_size=8, eval_every=60, eval_batches=50, eval_examples=0)
   c.optim.update(lr=5e-7, schedule="linear", warmup_steps=24)
   c.reward.weights = ()  # no generative check: HH has no verifiable answers

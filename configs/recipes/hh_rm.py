@@ -18,7 +18,9 @@ def get_config(arg=None):
   c.task = "rm"
   c.run_dir = "runs/hh_rm"
   c.model.remat = "full"
-  c.data.update(truncation="drop", packing=False, max_length_ratio=3.0, skip_bad_records=True)
+  # batches of pairs of similar length (sorted within windows of 32 batches): HH pairs average ~100 tokens but
+  # run to 512, and a batch pads to its longest
+  c.data.update(truncation="drop", packing=False, max_length_ratio=3.0, skip_bad_records=True, group_by_length=32)
   c.train.update(steps=240, batch_size=8, eval_every=60, eval_batches=50, eval_examples=0)
   c.optim.update(lr=1e-5, schedule="linear")
   c.checkpoint.update(every=60, keep=1)

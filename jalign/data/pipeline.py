@@ -64,6 +64,71 @@ class _DropNoneIterator(grain.DatasetIterator):
     self._counters.bad, self._counters.too_long = state["bad"], state["too_long"]
 
 
+def example_length(example: dict) -> int:
+  """Tokens of an encoded example (a pair: both sides) for grouping by length."""
+  return sum(len(v) for v in example.values() if isinstance(v, np.ndarray) and v.ndim == 1)
+
+
+class _ByLength(grain.IterDataset):
+  """Examples regrouped so that each batch holds examples of similar length, as HF Trainer's `group_by_length` and
+  TRL's length-grouped sampler do: `window` batches' worth are read, sorted by length, cut into batches, and those
+  batches served in an order shuffled per window (a short final batch of a finite stream stays last). Padding to a
+  batch's longest then costs little; the data order stays random at the scale of a window."""
+
+  def __init__(self, parent: grain.IterDataset, batch_size: int, window: int, seed: int):
+    super().__init__(parent)
+    self._args = (batch_size, window, seed)
+
+  def __iter__(self):
+    return _ByLengthIterator(self._parent.__iter__(), *self._args)
+
+
+class _ByLengthIterator(grain.DatasetIterator):
+  def __init__(self, parent, batch_size: int, window: int, seed: int):
+    super().__init__(parent)
+    self._batch_size, self._window, self._seed = batch_size, window, seed
+    self._buffer: list = []
+    self._pos = 0
+    self._index = 0          # windows filled so far
+    self._start = None       # the parent's state before the window in the buffer
+
+  def _fill(self):
+    self._start = self._parent.get_state()
+    items = []
+    for _ in range(self._batch_size * self._window):
+      try:
+        items.append(next(self._parent))
+      except StopIteration:
+        break
+    if not items:
+      raise StopIteration
+    order = sorted(range(len(items)), key=lambda i: example_length(items[i]))
+    batches = [order[i:i + self._batch_size] for i in range(0, len(order), self._batch_size)]
+    full = [b for b in batches if len(b) == self._batch_size]
+    np.random.default_rng((self._seed, self._index)).shuffle(full)
+    self._buffer = [items[i] for b in full + [b for b in batches if len(b) < self._batch_size] for i in b]
+    self._index += 1
+    self._pos = 0
+
+  def __next__(self):
+    if self._pos >= len(self._buffer):
+      self._fill()
+    self._pos += 1
+    return self._buffer[self._pos - 1]
+
+  def get_state(self):
+    if self._pos < len(self._buffer):  # inside a window: re-read from its start, then skip what was served
+      return {"parent": self._start, "window": self._index - 1, "pos": self._pos}
+    return {"parent": self._parent.get_state(), "window": self._index, "pos": 0}
+
+  def set_state(self, state):
+    self._parent.set_state(state["parent"])
+    self._index, self._buffer, self._pos = state["window"], [], 0
+    if state["pos"]:
+      self._fill()
+      self._pos = state["pos"]
+
+
 def pad_to(x: np.ndarray, length: int) -> np.ndarray:
   return np.pad(x, (0, length - len(x)))
 
@@ -104,6 +169,7 @@ class PipelineSpec:
   num_epochs: int | None = None   # None = repeat forever
   skip_bad_records: bool = False
   num_packing_bins: int = 0       # 0 = batch_size
+  group_by_length: int = 0        # unpacked: batches of similar lengths from windows of this many batches; 0 = off
   drop_remainder: bool = True
   read_threads: int = 0           # threads reading and encoding records ahead; 0 = on demand in this thread
 
@@ -145,6 +211,8 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
   # costs more than it saves (benchmarks/data_load.py: 5,000 vs 1,800 records/s on 2 cores with grain's 16 / 500).
   options = grain.ReadOptions(num_threads=spec.read_threads, prefetch_buffer_size=4 * spec.read_threads)
   it = _DropNone(ds.map(load).to_iter_dataset(options), counters, source)
+  if spec.group_by_length and not spec.packing:
+    it = _ByLength(it, spec.batch_size, spec.group_by_length, spec.seed)
   if batch_fn is not None:
     it = it.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=batch_fn)
   elif spec.packing:
@@ -171,6 +239,8 @@ class DataSection:
   skip_bad_records: bool = False
   read_threads: int = bounded(0, ge=0)    # grain reading threads (raise for remote storage); 0 = on demand
   num_packing_bins: int = bounded(0, ge=0)  # 0 = rows per process batch
+  group_by_length: int = bounded(0, ge=0)  # unpacked training batches of similar lengths, sorted within windows of
+                                          # this many batches (HF Trainer's group_by_length); 0 = data order
   pair_checks: Literal["warn", "error", "off"] = "warn"  # preference data: identical pairs, repeated prompts,
                                           # chosen/rejected length imbalance, checked before training
   max_length_ratio: float = bounded(1.5, ge=1)  # chosen/rejected mean-length ratio beyond which pair_checks reports it
@@ -192,6 +262,9 @@ class DataSection:
     """What each task needs of its data (`seq_len`: the train section's row length)."""
     if task in ("sft", "rm", "dpo") and not self.train:
       raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
+    if self.group_by_length and self.packing:
+      raise ConfigError(f"config.data.group_by_length={self.group_by_length} groups unpacked batches by length; "
+                        "packed rows have none to group: set data.packing=False or data.group_by_length=0")
     if self.buckets and max(self.buckets) > seq_len:
       raise ConfigError(f"config.data.buckets={self.buckets}: largest bucket exceeds train.seq_len={seq_len}")
     if task == "sft" and self.packing and self.max_length > seq_len:

@@ -250,6 +250,7 @@ def data_iterator(cfg: RunConfig, spec: str, encode: Callable, *, train: bool, t
                                 buckets=cfg.data.buckets, shuffle=cfg.data.shuffle and train, seed=cfg.seed,
                                 num_epochs=None if train else 1, skip_bad_records=cfg.data.skip_bad_records,
                                 num_packing_bins=cfg.data.num_packing_bins, drop_remainder=train,
+                                group_by_length=cfg.data.group_by_length if train else 0,
                                 read_threads=cfg.data.read_threads)
   ds, counters = pipeline.build(source, encode, pspec, process_index=jax.process_index(),
                                 process_count=jax.process_count(), batch_fn=task.batch_fn if task else None)

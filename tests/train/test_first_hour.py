@@ -269,3 +269,15 @@ def test_a_missing_model_path_is_not_found(tmp_path):
   proc = _cli(tmp_path / "run", f"--config.model.path={tmp_path / 'nope'}")
   assert proc.returncode == 2
   assert f"error: config.model.path='{tmp_path / 'nope'}': not found" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_wrong_layout_under_skip_bad_records_names_the_first_reason(tmp_path):
+  """The HH recipes skip bad records; a file of another layout used to end with only 'no usable preference pairs'."""
+  data = _jsonl(tmp_path / "sft_not_pairs.jsonl", [{"prompt": f"What is {i} + 1?", "completion": str(i + 1)}
+                                                   for i in range(5)])
+  proc = _cli(tmp_path / "run", f"--config.data.train={data}", "--config.data.eval=",
+              "--config.data.skip_bad_records=True", config="dpo.py:tiny")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+  assert (f"no usable preference pairs: read 5 of 5 preference pairs: kept 0, dropped 5 (5 malformed, skipped by "
+          f"data.skip_bad_records; the first: {data}:1: record has no 'chosen' field") in error, error
