@@ -80,7 +80,7 @@ def check_prompts(source, encode, *, limit: int = 0) -> Tally:
   step: a malformed prompt is a PromptError naming file:line; prompts longer than the sampler allows are one
   PromptError with their count, the longest and the first of them."""
   tally = scan(source, lambda record: encode(record, index=0, where=""), limit=limit, skip_bad_records=None,
-               noun="prompts", limit_key="the prompt limit")
+               noun="prompts", limit_key="the prompt limit", error=PromptError)
   if tally.too_long:
     raise PromptError(f"{getattr(source, 'path', 'prompts')}: {tally.summary()}; the prompt limit is {LIMIT}: "
                       "raise it or shorten the prompts")

@@ -24,7 +24,7 @@ class Tally:
   too_long: int = 0
   longest: int = 0                 # tokens of the longest record dropped as too long
   limit: int = 0                   # the limit it exceeded
-  first_long: str = ""             # file:line of the first record dropped as too long
+  first_long: str = ""             # "file:line: reason" of the first record dropped as too long
   bad: int = 0                     # malformed records skipped (data.skip_bad_records)
   first_bad: str = ""              # "file:line: reason" of the first of them
 
@@ -52,10 +52,12 @@ def where_error(source, index: int, error: Exception) -> str:
 
 def scan(source, encode: Callable[[dict], object], *, limit: int = 0, skip_bad_records: bool | None = False,
          noun: str = "records", limit_key: str = "data.max_length",
-         on_kept: Callable[[int, dict, object], None] | None = None) -> Tally:
+         on_kept: Callable[[int, dict, object], None] | None = None, error: type = DataError) -> Tally:
   """Encodes (the first `limit`, 0 = all) records of `source` once, calling `on_kept(index, record, example)` for
   each kept one. A malformed record is a DataError naming file:line (counted instead under `skip_bad_records`); a
   source that keeps nothing is a DataError with the tally."""
+  if not len(source):
+    raise DataError(f"{getattr(source, 'path', 'data source')}: the dataset is empty")
   tally = Tally(noun=noun, limit_key=limit_key, total=len(source))
   for i in range(len(source) if not limit else min(limit, len(source))):
     tally.read += 1
@@ -65,12 +67,13 @@ def scan(source, encode: Callable[[dict], object], *, limit: int = 0, skip_bad_r
     except TooLong as e:
       tally.too_long += 1
       tally.longest, tally.limit = max(tally.longest, e.length), e.limit
-      tally.first_long = tally.first_long or source.where(i)
+      tally.first_long = tally.first_long or where_error(source, i, e)
       continue
     except DataError as e:
       if not skip_bad_records:
         hint = "" if skip_bad_records is None else " (set data.skip_bad_records=True to skip such records)"
-        raise DataError(where_error(source, i, e) + hint) from None
+        e.args = (where_error(source, i, e) + hint,)  # the same error (a PromptError stays one), placed
+        raise e.with_traceback(None) from None
       tally.bad += 1
       tally.first_bad = tally.first_bad or where_error(source, i, e)
       continue
@@ -78,5 +81,5 @@ def scan(source, encode: Callable[[dict], object], *, limit: int = 0, skip_bad_r
     if on_kept is not None:
       on_kept(i, record, example)
   if not tally.kept:
-    raise DataError(f"{getattr(source, 'path', 'data source')}: no usable {noun}: {tally.summary()}")
+    raise error(f"{getattr(source, 'path', 'data source')}: no usable {noun}: {tally.summary()}")
   return tally

@@ -59,7 +59,7 @@ def test_dropped_pairs_are_counted_at_start_and_the_averages_say_which_set(tmp_p
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert (f"data {data}: read 15 of 15 preference pairs: kept 12, dropped 3 (3 too long: longest " in out), out[-3000:]
-  assert f"the first: {data}:13)" in out
+  assert f"the first: {data}:13: prompt has " in out
   assert "over the 12 kept pairs: chosen" in out
   # train.steps=1 under the recipe's warmup_steps=2: one override cuts the run short, the warmup clipped to it
   assert "warning: config.optim.warmup_steps=2 is more than train.steps=1: the warmup is clipped to 1 steps" in out
