@@ -199,15 +199,15 @@ def _main(argv):
   try:
     with rundir.claimed(run_dir):
       final = pipeline.run(_CONFIG.value, jax.device_count()) if is_pipeline else TASKS[cfg.task](cfg)
+      if not is_pipeline and cfg.task not in ("eval", "rollout") and distributed.is_main():
+        from jalign.eval import report
+        print(f"report: {report.build(cfg.run_dir)}", flush=True)
   except NonFiniteError as e:
     raise SystemExit(f"stopped: {e}") from None
   except Preempted as e:  # a distinct status, so supervisors restart it; the same command resumes
     print(e, flush=True)
     distributed.shutdown()
     raise SystemExit(e.code) from None
-  if not is_pipeline and cfg.task not in ("eval", "rollout") and distributed.is_main():
-    from jalign.eval import report
-    print(f"report: {report.build(cfg.run_dir)}", flush=True)
   shown = ("eval/", "train/loss", "rollout/", "perf/new", "actor/kl", "critic/score", "rewards/", "ensemble/")
   summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(shown))
   if distributed.is_main():
