@@ -29,10 +29,11 @@ class Tally:
   first_bad: str = ""              # "file:line: reason" of the first of them
 
   def summary(self) -> str:
-    """'read 50 of 50 pairs: kept 18, dropped 32 (32 too long: longest 812 tokens, data.max_length=512)'."""
+    """'read 50 of 50 pairs: kept 18, dropped 32 (32 too long: longest 812 tokens, data.max_length=512; the first:
+    pairs.jsonl:3: ...)'."""
     read = f"read {self.read} of {self.total} {self.noun}"
     if self.read < self.total:
-      read += f" (the first {self.read}: data.check_records={self.read})"
+      read += f" (data.check_records={self.read})"
     reasons = []
     if self.too_long:
       reasons.append(f"{self.too_long} too long: longest {self.longest} tokens, {self.limit_key}={self.limit}; the "
