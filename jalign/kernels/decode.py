@@ -27,6 +27,10 @@ from jalign.kernels.target import row_axes, target_platform
 DECODE_IMPLS = ("xla", "pallas_tpu", "pallas_gpu", "auto")
 PAGE = 128            # the page (a multiple of the TPU's 8 sublanes and of the 16 rows a Triton dot takes)
 COMPUTE_BLOCK = 512   # keys per kernel step (pages_per_compute_block x PAGE), at most
+# The Triton kernel holds one block of keys and one of values in shared memory. On an H200 a 512-key block at head_dim
+# 128 in bf16 asked for 282,624 bytes (2 x 512 x 128 x 2 = 262,144 of them keys and values) where 232,448 (227 KiB,
+# Hopper's most per block) are available, and failed to launch: keys and values of a block stay within this budget.
+GPU_BLOCK_BYTES = 160 * 1024
 TPU_HEAD_DIM = 128    # the TPU kernel's statistics take the head's block shape: it lowers for multiples of 128 only
 
 
@@ -116,7 +120,8 @@ def _paged(q_BxNxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, impl: str, softcap, inte
   else:
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
     splits = divisor(per_row, 16)  # flash-decoding: a row's pages in parallel partitions, combined after
-    block = divisor(per_row // splits, COMPUTE_BLOCK // PAGE)
+    page_bytes = 2 * PAGE * H * k_BxKxSxH.dtype.itemsize  # one page of keys and one of values
+    block = divisor(per_row // splits, max(1, min(COMPUTE_BLOCK // PAGE, GPU_BLOCK_BYTES // page_bytes)))
     out = paged_attention(q, pages(k_BxKxSxH), pages(v_BxKxSxH), page_indices, lengths, k_splits=splits,
                           attn_logits_soft_cap=softcap, pages_per_compute_block=block, interpret=interpret)
   return out.reshape(B, N, H)
