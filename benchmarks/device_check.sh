@@ -5,14 +5,14 @@
 #
 #   bash benchmarks/device_check.sh [--smoke] [--out FILE] [--only SECTION...]
 #
-# --smoke: tiny shapes on any backend (CI runs it on CPU). Needs jax (with the chip's plugin), flax and optax;
-# jalign itself is used from this checkout. Where flax or optax are missing, wheels placed in benchmarks/wheels/
-# are installed offline first. Exit status 1 when any section recorded an error.
+# --smoke: tiny shapes on any backend (CI runs it on CPU). Needs jax (with the chip's plugin), flax, optax, grain
+# and ml_collections; jalign itself is used from this checkout. Where any is missing, wheels placed in
+# benchmarks/wheels/ (grain also needs array_record and portpicker) are installed offline first. Exit status 1 when any section recorded an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-if ! "$PY" -c "import jax, flax, optax" 2>/dev/null && compgen -G "benchmarks/wheels/*.whl" >/dev/null; then
-  "$PY" -m pip install --no-index --find-links benchmarks/wheels flax optax
+if ! "$PY" -c "import jax, flax, optax, grain, ml_collections" 2>/dev/null && compgen -G "benchmarks/wheels/*.whl" >/dev/null; then
+  "$PY" -m pip install --no-index --no-deps benchmarks/wheels/*.whl
 fi
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
