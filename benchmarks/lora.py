@@ -1,5 +1,5 @@
 """LoRA vs full fine-tuning on the shipped tiny policy: held-out accuracy gained by DPO and GRPO, wall time, and the
-optimizer state per device from XLA's compiled memory analysis (`jalign.train.fit`).
+optimizer state per device from XLA's compiled memory analysis (`jalign.fit`).
 
     python benchmarks/lora.py                 # the full configs/dpo.py and configs/grpo.py runs (~40 min on 2 cores)
     python benchmarks/lora.py --quick         # a few steps each, to check the script
@@ -47,7 +47,7 @@ def optimizer_bytes(task: str, lora: bool) -> int:
   import importlib.util
 
   from jalign.config import validate
-  from jalign.train import fit
+  from jalign import fit
   spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, "configs", f"{task}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -1,5 +1,5 @@
 """Fit figures on TPU slices, compiled on this host: per-chip HBM and a lower bound on the step time of Llama-3
-SFT, DPO and GRPO steps at long contexts (`jalign.train.fit` with a `tpu_target`; libtpu, no TPU).
+SFT, DPO and GRPO steps at long contexts (`jalign.fit` with a `tpu_target`; libtpu, no TPU).
 
 Each case is the task's real train step (the builder `python -m jalign.run` uses), bf16 parameters and Adam moments,
 full remat, attention and log-probs as `auto` picks them for a TPU (splash, pallas_tpu), one sequence (SFT, GRPO) or
@@ -53,7 +53,7 @@ def main():
   args = parser.parse_args()
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jalign.parallel import tpu_target
-  from jalign.train import fit
+  from jalign import fit
   print(f"{'case':24s} {'mesh':>9s} {'params':>8s} {'optim':>8s} {'peak':>8s} {'HBM':>6s} {'fits':>5s} "
         f"{'step >=':>8s} {'compile':>8s}")
   for name, task, arch, acc, tokens, mesh in CASES:

@@ -4,7 +4,6 @@ Parses and validates the config, then runs its task. Each task wires an objectiv
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.util
 import os
@@ -25,7 +24,6 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jalign import files
 from jalign.config import RunConfig, check_paths, validate
 from jalign.sections import listing, to_dataclass
 from jalign.errors import ConfigError, UserError
@@ -48,50 +46,6 @@ Runs the task of a config file (its `task` key: sft, rm, dpo, grpo, ppo, rollout
 A run writes run_dir/ (metrics.jsonl, checkpoints/, hf/, report.md) and resumes when rerun. Exit status: 0 done;
 2 a problem with the input (one `error:` line; JALIGN_TRACEBACK=1 shows the traceback); 130 Ctrl-C and 143 SIGTERM
 (the step saved; rerun to resume)."""
-
-
-def run_sft(cfg: RunConfig) -> dict:
-  from jalign.train import sft
-  return sft.run(cfg)
-
-
-def run_rollout(cfg: RunConfig) -> dict:
-  from jalign.train import rollout
-  return rollout.run(cfg)
-
-
-def run_grpo(cfg: RunConfig) -> dict:
-  from jalign.train import grpo
-  return grpo.run(cfg)
-
-
-def run_rm(cfg: RunConfig) -> dict:
-  from jalign.train import reward
-  return reward.run(cfg)
-
-
-def run_dpo(cfg: RunConfig) -> dict:
-  from jalign.train import dpo
-  return dpo.run(cfg)
-
-
-def run_eval(cfg: RunConfig) -> dict:
-  from jalign.eval.policy import evaluate
-  from jalign.train.metrics import MetricsWriter
-  log = MetricsWriter(dataclasses.replace(cfg.log, jsonl=False, progress=False), cfg.run_dir, 0, 0, {})
-  out = evaluate(cfg.eval, cfg.model.path, tokenizer=cfg.tokenizer, fields=cfg.data.fields(),
-                 show=lambda rows: log.samples(0, rows), shown=cfg.log.samples)
-  log.close()
-  if distributed.is_main():
-    path = os.path.join(cfg.run_dir, "eval.json")
-    files.write_json(path, {"checkpoint": os.path.abspath(cfg.model.path), **out}, indent=1)
-    for k, v in out.items():
-      print(f"{k}: {v:.4f}", flush=True)
-  return out
-
-
-TASKS = {"sft": run_sft, "rollout": run_rollout, "grpo": run_grpo, "ppo": run_grpo, "rm": run_rm,
-         "dpo": run_dpo, "eval": run_eval}
 
 
 def _user_error(e: UserError):
@@ -181,13 +135,14 @@ def _main(argv):
   from jalign.train.loop import NonFiniteError
   from jalign.train import preemption, rundir
   from jalign.train.preemption import Preempted
+  from jalign import tasks
+  from jalign.tasks import chain
   try:  # the multi-process runtime first: the device count below is the global one
     section = to_dataclass(DistributedSection, _CONFIG.value.get("distributed", {}), "config.distributed")
     distributed.initialize(section)
     preemption.install()  # from here a signal ends start-up at once, with a line instead of a traceback
     if is_pipeline:
-      from jalign.train import pipeline
-      pipeline.stage_configs(_CONFIG.value, jax.device_count())  # every stage's config checked before any runs
+      chain.stage_configs(_CONFIG.value, jax.device_count())  # every stage's config checked before any runs
     else:
       cfg = validate(_CONFIG.value, jax.device_count())
       check_paths(cfg)
@@ -198,7 +153,7 @@ def _main(argv):
   run_dir = _CONFIG.value.get("run_dir") if is_pipeline else cfg.run_dir
   try:
     with rundir.claimed(run_dir):
-      final = pipeline.run(_CONFIG.value, jax.device_count()) if is_pipeline else TASKS[cfg.task](cfg)
+      final = chain.run(_CONFIG.value, jax.device_count()) if is_pipeline else tasks.run(cfg)
       if not is_pipeline and cfg.task not in ("eval", "rollout") and distributed.is_main():
         from jalign.eval import report
         print(f"report: {report.build(cfg.run_dir)}", flush=True)

@@ -19,7 +19,7 @@ def test_every_shipped_config_validates(name, arg):
   """Each configs/*.py, default and tiny, passes validation on one device, as `python -m jalign.run` runs it (a
   config derived from another must override what no longer fits it)."""
   if name in ("pipeline", "agent"):  # chains of stages
-    from jalign.train import pipeline
+    from jalign.tasks import chain as pipeline
     pipeline.stage_configs(config_dict(name, arg), 1)
   else:
     validate(config_dict(name, arg), 1)

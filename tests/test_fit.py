@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jalign.train import fit
+from jalign import fit
 from tests.configs_util import ROOT, run_config
 
 
@@ -37,7 +37,7 @@ def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
   out = tmp_path / "fit.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
-      [sys.executable, "-m", "jalign.train.fit", "--config=configs/grpo.py", "--arch=llama3-8b", "--devices=16",
+      [sys.executable, "-m", "jalign.fit", "--config=configs/grpo.py", "--arch=llama3-8b", "--devices=16",
        "--config.mesh.shape=(1,16,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
        "--config.train.batch_size=16", "--hbm_gib=95", f"--json={out}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -52,3 +52,38 @@ def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
   assert b["peak_estimate"] > b["params"] + b["optimizer_state"]
   assert "fits in 95 GiB per device" in stdout
   assert r["host_peak_rss_bytes"] < 3 * 2**30  # the 16 GB of weights never existed on the host either
+
+
+@pytest.mark.parametrize("config,overrides", [
+    ("grpo", {}),
+    ("ppo", {}),
+    ("grpo", {"grpo__async_staleness": 1, "grpo__rollout_is": "token", "sampling__top_k": 5, "grpo__ppo_epochs": 2}),
+], ids=["grpo", "ppo", "async-corrected"])
+def test_fit_compiles_the_update_the_run_runs(tmp_path, monkeypatch, config, overrides):
+  """The fit check's batch has the columns the run's update receives (the log-prob plan: old, behaviour, kept and
+  reference log-probs, the critic's returns), the response width the sampler produces, and its loss is the run's
+  (group size, corrections, normaliser)."""
+  from jalign import tasks
+  from jalign.tasks import grpo
+  cfg = run_config(config, run_dir=str(tmp_path), train__steps=1, grpo__eval_examples=0, log__tensorboard=False,
+                   log__progress=False, **overrides)
+  seen = []
+  update_fn = grpo.GrpoTask._update_fn
+
+  def recording(self, rows):
+    jitted = update_fn(self, rows)
+    def update(state, batch):
+      seen.append({k: tuple(v.shape) for k, v in batch.items()})
+      return jitted(state, batch)
+    return update
+  monkeypatch.setattr(grpo.GrpoTask, "_update_fn", recording)
+  tasks.run(cfg)
+  task = tasks.task(cfg)
+  abstract = {k: tuple(v.shape) for k, v in task.abstract_batch().items()}
+  assert seen and all(set(batch) == set(abstract) for batch in seen), (seen[0], abstract)
+  for batch in seen:  # the rows and the response width; prompts are left-padded to at most the fit's width
+    assert batch["response"] == abstract["response"], (batch, abstract)
+    assert batch["tokens"][1] <= abstract["tokens"][1]
+  assert task.loss_cfg.group_size == (cfg.sampling.num_samples if cfg.grpo.share_prompts else 0)
+  r = fit.report(cfg)
+  assert r["batch"] == {k: list(v) for k, v in abstract.items()}

@@ -22,7 +22,8 @@ LAYERS = [
     ("eval",),
     ("config",),
     ("train",),
-    ("run",),
+    ("tasks",),
+    ("run", "fit"),
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

@@ -176,7 +176,7 @@ class RewardModelSection:
                                           # off
   share_prompt: bool = True               # each pair's prompt runs once, under both completions (prefix sharing)
   members: tuple[RewardMember, ...] = ()  # () = one reward model; else an ensemble: the run's model + these, scores
-                                          # summed (jalign/train/reward.py)
+                                          # summed (jalign/tasks/rm.py)
 
   def check(self, *, export_hf: bool) -> None:
     if export_hf and (self.head != "linear" or self.head_bias):

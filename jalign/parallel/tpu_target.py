@@ -3,7 +3,7 @@ libtpu topology name (v5e:2x2) -> that slice's TPU devices, for `jax.jit(...).lo
 
 Needs libtpu (`pip install "jax[tpu]"`), not a TPU: the compiled executable's `memory_analysis()` is the chip's
 HBM use. (Its `cost_analysis()` FLOPs count a `while` loop's body once, so they miss the layers of a scanned
-decoder and the blocks of a looped kernel: step times come from model FLOPs instead, see `jalign.train.fit`.)
+decoder and the blocks of a looped kernel: step times come from model FLOPs instead, see `jalign.fit`.)
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def target(name: str) -> Target:
   """The TPU devices of `name`'s slice (see `parse`), from libtpu's topology description: compile for them with a
   Mesh over `devices`; nothing runs on them. (Where JAX initialises its TPU backend at start-up, i.e. without
   JAX_PLATFORMS=cpu, libtpu is loaded before this runs: set ALLOW_MULTIPLE_LIBTPU_LOAD=1 before importing jax, as
-  `python -m jalign.train.fit --topology` does, for several such processes at once.)"""
+  `python -m jalign.fit --topology` does, for several such processes at once.)"""
   chip, topology = parse(name)
   # libtpu takes a host-wide lock file when it loads; compiling needs no chip, so several processes may hold it.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

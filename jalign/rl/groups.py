@@ -29,6 +29,24 @@ class Groups:
   counts: np.ndarray | None = None      # [N, 4] multi-turn: turns, tool calls, tool errors, truncated
   token_rewards: np.ndarray | None = None  # [N, R] multi-turn: each turn's reward on its last token
 
+  def shown(self, tok, k: int) -> list[dict]:
+    """The first completion of each of the first `k` groups, decoded, with its reward (the run's samples log)."""
+    rows = []
+    for i, prompt in enumerate(self.prompts[:k]):
+      j = i * self.size
+      completion = tok.decode(self.response[j, :int(self.lengths[j])].tolist(), skip_special_tokens=False)
+      rows.append({"prompt": prompt.text, "completion": completion, "reward": float(self.scores[j]),
+                   "ground_truth": prompt.ground_truth, "where": prompt.where})
+    return rows
+
+  def example(self, tok, weights) -> str:
+    """The rewards (`weights`: (name, weight) pairs) and the first scored completion, for messages about them."""
+    p = self.prompts[0]
+    text = tok.decode(self.response[0, :self.lengths[0]])
+    names = ", ".join(f"{name} x {w:g}" for name, w in weights)
+    return (f"Rewards: {names}. For example {p.where} (ground truth {p.ground_truth!r}) scored "
+            f"{float(self.scores[0]):g} for the completion {text[:160]!r}.")
+
   def informative(self) -> np.ndarray:
     """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
     grouped = self.scores.reshape(len(self.prompts), self.size)

@@ -2,7 +2,6 @@
 PNG images of the logged curves, and the over-optimisation checks fire when the reward model's score rises while
 held-out accuracy falls or when the KL passes its bound (and stay quiet otherwise)."""
 import json
-import os
 import subprocess
 import sys
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jalign.train import dpo as dpo_task, grpo, reward as reward_task, sft as sft_task
+from jalign.tasks import dpo as dpo_task, grpo, rm as reward_task, sft as sft_task
 from tests.configs_util import ROOT, run_config
 
 QUIET = dict(log__progress=False, log__tensorboard=False, checkpoint__async_save=False)

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jalign.parallel import tpu_target
-from jalign.train import fit
+from jalign import fit
 from tests.configs_util import run_config
 
 
@@ -65,7 +65,7 @@ def test_fit_report_compiles_the_task_step_for_a_slice():
 
 
 def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
-  """The command of jalign/train/fit.py's doc: a Llama-3-8B SFT step, one 8192-token sequence per chip, bf16,
+  """The command of jalign/fit.py's doc: a Llama-3-8B SFT step, one 8192-token sequence per chip, bf16,
   full remat, compiled for TPU v5p (4 chips, FSDP over them) with splash attention and the Pallas log-prob kernel
   (auto picks both for a TPU): it fits the chip's 95 GiB (and uses under half of it)."""
   import json
@@ -77,7 +77,7 @@ def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
   out = tmp_path / "fit.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   proc = subprocess.run(
-      [sys.executable, "-m", "jalign.train.fit", "--config=configs/sft.py", "--arch=llama3-8b", "--topology=v5p-8",
+      [sys.executable, "-m", "jalign.fit", "--config=configs/sft.py", "--arch=llama3-8b", "--topology=v5p-8",
        "--config.mesh.shape=(1,4,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
        "--config.train.batch_size=4", "--config.train.seq_len=8192", f"--json={out}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

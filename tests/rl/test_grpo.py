@@ -12,7 +12,7 @@ import pytest
 from jalign.errors import ConfigError
 from jalign.rl.config import GrpoSection
 from jalign.rl.stage import advantages
-from jalign.train import grpo as grpo_train
+from jalign.tasks import grpo as grpo_train
 from jalign.rl.groups import Groups
 from tests.configs_util import ROOT, run_config
 

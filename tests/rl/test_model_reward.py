@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jalign.rl import buffer
-from jalign.train import grpo, reward as reward_task, rollout
+from jalign.tasks import grpo, rm as reward_task, rollout
 from tests.configs_util import ROOT, run_config
 
 PAIRS = os.path.join(ROOT, "jalign", "assets", "arith_prefs", "test.jsonl")

@@ -74,7 +74,7 @@ def test_verl_parquet_layout_and_arrayrecord_output(tmp_path):
 ])
 def test_bad_prompts_name_the_record(tmp_path, rows, message):
   from jalign.rl.rewards import RewardError
-  from jalign.train import rollout
+  from jalign.tasks import rollout
   with open(tmp_path / "prompts.jsonl", "w") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")

@@ -24,7 +24,8 @@ from absl import app
 
 from jalign import run
 from jalign.rl import buffer
-from jalign.train import checkpoint, loop
+from jalign.tasks import grpo, preference
+from jalign.train import checkpoint, task
 
 
 def _die():
@@ -80,8 +81,10 @@ def main():
       return real(*args, **kwargs)
     return wrapped
 
-  loop.global_batch = counting(loop.global_batch)
-  loop.global_from_full = counting(loop.global_from_full)
+  for module in (task, preference, grpo):  # every module that puts host batches on the devices
+    for name in ("global_batch", "global_from_full"):
+      if hasattr(module, name):
+        setattr(module, name, counting(getattr(module, name)))
   at_part = env("KILL_AT_PART")
   if at_part:
     write = buffer.BufferWriter.write

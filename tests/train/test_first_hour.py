@@ -79,7 +79,7 @@ def test_a_prompt_longer_than_the_sampler_allows_ends_grpo_before_the_first_step
   proc = _cli(tmp_path / "run", f"--config.grpo.prompts={data}", config="grpo.py:tiny")
   assert proc.returncode == 2, proc.stderr[-2000:]
   error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
-  assert f"read 10 of 10 prompts: kept 9, dropped 1 (1 too long" in error and f"the first: {data}:7" in error
+  assert "read 10 of 10 prompts: kept 9, dropped 1 (1 too long" in error and f"the first: {data}:7" in error
   assert "sampling.max_prompt_length" in error
   assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 

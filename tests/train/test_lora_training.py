@@ -13,7 +13,8 @@ from jalign import models
 from jalign.errors import ConfigError
 from jalign.models import lora
 from jalign.objectives import sft as sft_objective
-from jalign.train import dpo as dpo_task, grpo, loop, optimizer as optim_lib, reward as rm_task, sft as sft_task
+from jalign.train import loop, optimizer as optim_lib
+from jalign.tasks import dpo as dpo_task, grpo, rm as rm_task, sft as sft_task
 from jalign.train.step import make_step
 from tests.configs_util import run_config
 

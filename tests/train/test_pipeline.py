@@ -10,7 +10,7 @@ import pytest
 
 from jalign.errors import ConfigError
 from jalign.eval import report
-from jalign.train import pipeline
+from jalign.tasks import chain as pipeline
 from tests.configs_util import ROOT, config_dict
 
 STAGES = ("0_base", "1_sft", "2_rm", "3_grpo", "4_dpo")

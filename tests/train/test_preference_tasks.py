@@ -10,7 +10,7 @@ import pytest
 
 from jalign import tokenizer
 from jalign.errors import ConfigError
-from jalign.train import dpo as dpo_task, reward as reward_task
+from jalign.tasks import dpo as dpo_task, rm as reward_task
 from tests.configs_util import ROOT, run_as_user, run_config
 
 ASSETS = os.path.join(ROOT, "jalign", "assets")

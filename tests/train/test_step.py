@@ -10,6 +10,7 @@ from jalign import parallel
 from jalign.data import sft as sft_data
 from jalign.objectives import sft
 from jalign.train import loop, optimizer as optim_lib
+from jalign.train.task import data_iterator, global_batch
 from jalign.train.step import make_step
 from tests.configs_util import run_config
 
@@ -20,14 +21,14 @@ def _one_step(mesh_shape, micro_batches=1, batch_size=8):
   optimizer, lr = optim_lib.make(cfg.optim, cfg.train.steps)
   s = loop.setup(cfg, optimizer)
   encode = functools.partial(sft_data.encode, tok=s.tok, max_length=cfg.data.max_length)
-  it, _, _ = loop.data_iterator(cfg, cfg.data.train, encode, train=True)
+  it, _, _ = data_iterator(cfg, cfg.data.train, encode, train=True)
   local = next(it)
   step = make_step(sft.make_loss_fn(s.graphdef), optimizer, lr, micro_batches,
                    parallel.batch_sharding(s.mesh, leading_micro_axis=True))
   jitted = jax.jit(step, in_shardings=(s.state_shardings, parallel.batch_sharding(s.mesh)),
                    out_shardings=(s.state_shardings, parallel.replicated(s.mesh)))
   with jax.set_mesh(s.mesh):  # the vocabulary-sharded log-prob path reads the mesh from here
-    state, metrics = jitted(s.state, loop.global_batch(local, parallel.batch_sharding(s.mesh)))
+    state, metrics = jitted(s.state, global_batch(local, parallel.batch_sharding(s.mesh)))
   return state, jax.device_get(metrics)
 
 

@@ -16,10 +16,10 @@ from jalign.config import RunConfig
 from jalign.data import preference
 from jalign.data.sources import DataError
 from jalign.data.sft import TooLong
-from jalign.train import loop
+from jalign.train.task import Setup, Task, global_batch
 
 
-class PreferenceTask(loop.Task):
+class PreferenceTask(Task):
   def __init__(self, cfg: RunConfig):
     super().__init__(cfg)
     self.buckets = tuple(sorted(cfg.data.buckets)) or (cfg.train.seq_len,)
@@ -29,7 +29,15 @@ class PreferenceTask(loop.Task):
   def encode(self, record, *, tok, max_length, truncation):
     return preference.encode(record, tok, max_length=max_length, truncation=truncation)
 
-  def start(self, setup: loop.Setup) -> None:
+  def largest_example(self) -> dict:
+    """A pair of two data.max_length sequences, the first half of each a shared prompt."""
+    n = self.cfg.data.max_length
+    prompt = np.zeros(n // 2, np.int32)
+    side = lambda token: np.concatenate([prompt, np.full(n - n // 2, token, np.int32)])  # noqa: E731
+    mask = np.concatenate([np.zeros(n // 2, np.int32), np.ones(n - n // 2, np.int32)])
+    return {"chosen": side(1), "chosen_mask": mask, "rejected": side(2), "rejected_mask": mask.copy()}
+
+  def start(self, setup: Setup) -> None:
     super().start(setup)
     self.mesh = setup.mesh
     for spec in filter(None, (self.cfg.data.train, self.cfg.data.eval)):
@@ -56,7 +64,7 @@ class PreferenceTask(loop.Task):
       pw = local["prompt_mask"].shape[1]
       widths = multihost_utils.process_allgather(np.asarray([pw, local["tokens"].shape[2] - pw])).max(0)
       local = preference.widen_split(local, int(widths[0]), int(widths[1]))
-    return loop.global_batch(local, sharding)
+    return global_batch(local, sharding)
 
   def examples(self, spec: str, limit: int = 0) -> list[dict]:
     """Encoded pairs of `spec` (the first `limit`; 0 = all), skipping those the pipeline would skip."""

@@ -29,7 +29,8 @@ from jalign.eval import policy as policy_eval, ranking
 from jalign.objectives import reward as objective
 from jalign.parallel.distributed import is_main, say
 from jalign.train import loop
-from jalign.train.preference import PreferenceTask
+from jalign.train.task import Setup
+from jalign.tasks.preference import PreferenceTask
 
 
 def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
@@ -47,9 +48,14 @@ def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
   else:
     arch = m.arch.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, tie_embeddings=True, **knobs)
     backbone = models.create(arch, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
-  head = models.ScalarHead(backbone.cfg.hidden_size, kind=r.head, mlp_size=r.mlp_size or None, bias=r.head_bias,
+  return objective.RewardModel(backbone, score_head(cfg, backbone.cfg.hidden_size))
+
+
+def score_head(cfg: RunConfig, hidden_size: int) -> models.ScalarHead:
+  """A new reward head as `rm.head`, `rm.mlp_size` and `rm.head_bias` say (fp32)."""
+  r = cfg.rm
+  return models.ScalarHead(hidden_size, kind=r.head, mlp_size=r.mlp_size or None, bias=r.head_bias,
                            param_dtype="float32", rngs=nnx.Rngs(cfg.seed))
-  return objective.RewardModel(backbone, head)
 
 
 class RewardTask(PreferenceTask):
@@ -64,7 +70,7 @@ class RewardTask(PreferenceTask):
   def make_loss_fn(self, graphdef):
     return objective.make_loss_fn(graphdef, objective.RewardLossConfig(self.cfg.rm.center_rewards_coefficient))
 
-  def start(self, setup: loop.Setup) -> None:
+  def start(self, setup: Setup) -> None:
     super().start(setup)
     self._scores = jax.jit(lambda params, batch: objective.pair_scores(nnx.merge(setup.graphdef, params), batch))
 
@@ -119,8 +125,12 @@ def reward_model_dir(cfg: RunConfig) -> str:
   return os.path.join(cfg.run_dir, "ensemble" if cfg.rm.members else "hf")
 
 
+def task(cfg: RunConfig) -> RewardTask:
+  return RewardTask(cfg)
+
+
 def run(cfg: RunConfig) -> dict:
-  final = loop.run(cfg, RewardTask(cfg))
+  final = loop.run(cfg, task(cfg))
   if not cfg.rm.members:
     return final
   members = [(os.path.join(cfg.run_dir, "hf"), 1.0)]

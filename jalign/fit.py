@@ -1,7 +1,7 @@
 """Ahead-of-time fit check: compile a config's train step for a mesh and report the bytes it needs per device,
 without allocating the model (every input is a `jax.ShapeDtypeStruct` with its sharding).
 
-    python -m jalign.train.fit --config=configs/grpo.py --arch=llama3-8b --devices=16 \
+    python -m jalign.fit --config=configs/grpo.py --arch=llama3-8b --devices=16 \
         --config.mesh.shape="(1,16,1)" --config.model.dtype=bfloat16 --hbm_gib=95
 
 `--devices` fakes that many host devices (the check runs on any machine, a laptop included); the figures are XLA's
@@ -15,7 +15,7 @@ optimizer bytes are exact.
 for that TPU slice instead, on any host with libtpu: the figures are then the TPU compiler's HBM per chip, its
 peak from its own buffer schedule, and a lower bound on the step time (model FLOPs at the chip's bf16 peak):
 
-    python -m jalign.train.fit --config=configs/sft.py --arch=llama3-8b --topology=v5p-8 \
+    python -m jalign.fit --config=configs/sft.py --arch=llama3-8b --topology=v5p-8 \
         --config.mesh.shape="(1,4,1)" --config.model.dtype=bfloat16 --config.model.remat=full \
         --config.train.batch_size=4 --config.train.seq_len=8192
 """
@@ -56,8 +56,10 @@ def report(cfg, arch: str = "", target=None) -> dict:
   from jalign import models, parallel
   from jalign.models import lora
   from jalign.models.config import ModelConfig, RopeConfig, load_hf_config
-  from jalign.train import optimizer as optim_lib
-  from jalign.train.step import TrainState, make_step
+  from jalign.train.step import TrainState
+
+  from jalign import tasks
+  from jalign.train.step import Trainable
 
   m = cfg.model
   if arch:
@@ -67,16 +69,19 @@ def report(cfg, arch: str = "", target=None) -> dict:
   else:
     model_cfg = m.arch
   model_cfg = model_cfg.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, **m.knobs())
+  if cfg.task == "rm":  # a reward model's backbone has no LM head of its own (`tasks.rm.load_reward_model`)
+    model_cfg = model_cfg.replace(tie_embeddings=True)
   mesh = parallel.mesh_from_config(cfg.mesh.shape, None if target is None else target.devices)
-  task = cfg.task
+  task = tasks.task(cfg)
 
   def build():
     lm = models.Decoder(model_cfg, rngs=nnx.Rngs(0))
     if m.lora.rank:
       lora.add_adapters(lm, m.lora)
-    if task == "rm":
+    if cfg.task == "rm":
       from jalign.objectives.reward import RewardModel
-      return RewardModel(lm, models.ScalarHead(model_cfg.hidden_size, rngs=nnx.Rngs(1)))
+      from jalign.tasks.rm import score_head
+      return RewardModel(lm, score_head(cfg, model_cfg.hidden_size))
     return lm
 
   abstract = nnx.eval_shape(build)
@@ -89,24 +94,24 @@ def report(cfg, arch: str = "", target=None) -> dict:
     param_sh, frozen_sh = lora.partition(param_sh)
   with_sharding = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                                 tree, sh)
-  optimizer, schedule = optim_lib.make(cfg.optim, cfg.train.steps)
+  optimizer, schedule = task.update_optimizer()
   opt_sh = parallel.optimizer_shardings(optimizer, param_sh, params, mesh)
   rep = parallel.replicated(mesh)
   scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
   state = TrainState(scalar, with_sharding(params, param_sh), with_sharding(jax.eval_shape(optimizer.init, params),
                                                                              opt_sh), scalar)
   state_sh = TrainState(rep, param_sh, opt_sh, rep)
-  loss_fn, batch = _loss_and_batch(cfg, graphdef, mesh)
-  micro = cfg.train.micro_batches if task not in ("grpo", "ppo") else 1
-  step = make_step(loss_fn, optimizer, schedule, micro, parallel.batch_sharding(mesh, leading_micro_axis=True))
+  # The run's own update of the task (loss, micro-batches, optimizer, shardings, donation) on the largest batch
+  # it takes: the program the run compiles, not a copy of it.
+  jitted = task.jit_update(mesh, Trainable(graphdef, state, state_sh, frozen, frozen_sh), optimizer, schedule)
   batch_sh = parallel.batch_sharding(mesh)
-  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh, frozen_sh), out_shardings=(state_sh, rep),
-                   donate_argnums=0)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh) for k, v in task.abstract_batch().items()}
   with jax.set_mesh(mesh):
     compiled = jitted.lower(state, batch, None if frozen is None else with_sharding(frozen, frozen_sh)).compile()
   mem = compiled.memory_analysis()
   out = {
-      "devices": int(mesh.size), "mesh": dict(mesh.shape), "task": task,
+      "devices": int(mesh.size), "mesh": dict(mesh.shape), "task": cfg.task,
+      "batch": {k: list(v.shape) for k, v in batch.items()},
       "params_total": int(sum(x.size for x in jax.tree.leaves(params)) +
                           sum(x.size for x in jax.tree.leaves(frozen or {}))),
       "trainable_params": int(sum(x.size for x in jax.tree.leaves(params))),
@@ -139,49 +144,6 @@ def model_flops(model_cfg, tokens_shape, params_total: int, trainable_params: in
   dense = 4 * (params_total - embed) + 2 * max(trainable_params - embed, 0)
   attention = 6 * model_cfg.num_layers * t * model_cfg.num_heads * model_cfg.head_dim
   return float(tokens) * (dense + attention)
-
-
-def _loss_and_batch(cfg, graphdef, mesh):
-  """The task's loss_fn and an abstract global batch for it."""
-  import jax
-  import jax.numpy as jnp
-
-  from jalign import parallel
-  sh = parallel.batch_sharding(mesh)
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
-  b, t, task = cfg.train.batch_size, cfg.train.seq_len, cfg.task
-  if task == "sft":
-    from jalign.objectives import sft
-    return (sft.make_loss_fn(graphdef, logprobs=cfg.logprobs),
-            {"tokens": i32(b, t), "segment_ids": i32(b, t), "positions": i32(b, t), "loss_mask": i32(b, t)})
-  if task in ("dpo", "rm"):
-    pair = {"tokens": i32(b, 2, t), "segment_ids": i32(b, 2, t), "positions": i32(b, 2, t),
-            "loss_mask": i32(b, 2, t)}
-    if task == "rm":
-      from jalign.objectives import reward
-      return (reward.make_loss_fn(graphdef, reward.RewardLossConfig(cfg.rm.center_rewards_coefficient)),
-              {**pair, "margin": f32(b)})
-    from jalign.objectives import dpo
-    if cfg.dpo.loss_type == "kto":
-      raise ValueError("the fit check covers the paired DPO losses; for KTO, check loss_type='sigmoid' (same "
-                       "shapes)")
-    p = cfg.dpo
-    loss_cfg = dpo.DpoLossConfig(loss_type=p.loss_type, beta=p.beta, rpo_alpha=p.rpo_alpha)
-    return (dpo.make_loss_fn(graphdef, loss_cfg, logprobs=cfg.logprobs),
-            {**pair, "ref_chosen_logps": f32(b), "ref_rejected_logps": f32(b)})
-  if task in ("grpo", "ppo"):
-    from jalign.objectives import grpo
-    g, s = cfg.grpo, cfg.sampling
-    n, r = g.prompts_per_step * s.num_samples // g.mini_batches, s.max_new_tokens
-    length = s.max_prompt_length + r
-    loss_cfg = grpo.GrpoLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, mode=g.loss_mode, agg=g.agg,
-                                   kl_coef=g.kl_coef, kl_kind=g.kl_kind, global_rows=n)
-    return (grpo.make_loss_fn(graphdef, loss_cfg, cfg.logprobs),
-            {"tokens": i32(n, length), "segment_ids": i32(n, length), "positions": i32(n, length),
-             "response": i32(n, r), "response_mask": i32(n, r), "advantages": f32(n, r), "old_logp": f32(n, r),
-             "ref_logp": f32(n, r)})
-  raise ValueError(f"task {task!r}: the fit check covers sft, rm, dpo, grpo and ppo")
 
 
 def _host_peak_rss() -> int | None:

@@ -20,7 +20,7 @@ from jalign.rl.buffer import BufferWriter
 from jalign.data.prompts import PromptError, check_prompts, encode_prompt
 from jalign.parallel.distributed import say
 from jalign.rl.rollout import rollout_batch
-from jalign.train.loop import load_model
+from jalign.train.task import load_model
 from jalign import tokenizer as tokenizer_lib
 
 

@@ -30,7 +30,8 @@ from jalign.objectives import dpo as objective
 from jalign.rl.rewards import NEEDS_GROUND_TRUTH
 from jalign.data.prompts import encode_prompt
 from jalign.train import loop
-from jalign.train.preference import PreferenceTask
+from jalign.train.task import Setup
+from jalign.tasks.preference import PreferenceTask
 
 
 class WithRefLogps:
@@ -86,8 +87,23 @@ class DpoTask(PreferenceTask):
   def make_loss_fn(self, graphdef):
     return objective.make_loss_fn(graphdef, self.loss_cfg, logprobs=self.cfg.logprobs)
 
+  def largest_example(self) -> dict:
+    pair = super().largest_example()
+    if not self.kto:
+      return pair
+    half = len(pair["chosen"]) // 2  # KTO: the pair's two completions, desirable and undesirable
+    return {"examples": [(pair[k][:half], pair[k][half:], pair[k + "_mask"][half:], label)
+                         for k, label in (("chosen", 1.0), ("rejected", 0.0))]}
+
+  def abstract_batch(self) -> dict:
+    batch = super().abstract_batch()
+    if self.kto:  # the reference log-probs of the examples and of their KL sequences, which `prepare` adds
+      rows = jax.ShapeDtypeStruct(batch["tokens"].shape[:1], np.float32)
+      batch.update(ref_logps=rows, ref_kl_logps=rows)
+    return batch
+
   # Reference ---------------------------------------------------------------------------------------------------
-  def start(self, setup: loop.Setup) -> None:
+  def start(self, setup: Setup) -> None:
     cfg, p = self.cfg, self.cfg.dpo
     self.graphdef, self.mesh = setup.graphdef, setup.mesh
     sharding = parallel.batch_sharding(setup.mesh)
@@ -164,7 +180,7 @@ class DpoTask(PreferenceTask):
     self.reference = tree
 
   # Task accuracy -----------------------------------------------------------------------------------------------
-  def _load_eval_prompts(self, setup: loop.Setup) -> list:
+  def _load_eval_prompts(self, setup: Setup) -> list:
     p = self.cfg.dpo
     self._metric = next((n for n, _ in self.cfg.reward.spec().weights if n in NEEDS_GROUND_TRUTH), None)
     if not p.eval_prompts or not self._metric:
@@ -200,5 +216,9 @@ def _write_with_logps(source, chosen: np.ndarray, rejected: np.ndarray, path: st
                           "ref_rejected_logps": float(rejected[i])}) + "\n")
 
 
+def task(cfg: RunConfig) -> DpoTask:
+  return DpoTask(cfg)
+
+
 def run(cfg: RunConfig) -> dict:
-  return loop.run(cfg, DpoTask(cfg))
+  return loop.run(cfg, task(cfg))

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,32 +28,36 @@ from jalign.objectives import grpo as objective
 from jalign.rl.agent import summary as agent_summary
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
-from jalign.models.sharding import state_shardings, to_host
+from jalign.rl.rewards import NEEDS_GROUND_TRUTH
+from jalign.models.sharding import to_host
+from jalign.rl.plan import LogprobPlan
 from jalign.rl.stage import RolloutStage, advantages, logprob_agreement, update_rows
-from jalign.train import loop, optimizer as optim_lib, step as step_lib
-from jalign.train.critic import Critic
+from jalign.train import loop, optimizer as optim_lib
+from jalign.train.task import Setup, StepOut, Task, global_from_full
+from jalign.tasks.critic import Critic
+from jalign.tasks.grpo_sampler import Rollout, StepSampler
 
 
-def _prompt_iterator(cfg: RunConfig, n: int):
-  ds = grain.MapDataset.range(n).seed(cfg.seed).shuffle().repeat(None)
-  return iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())
-
-
-@dataclasses.dataclass
-class Rollout:
-  """A step's sampled groups, the generation batches they took, the policy version that sampled them (updates
-  applied before) and the seconds sampling took."""
-  sampled: Groups
-  batches: int
-  version: int
-  seconds: float
-
-
-class GrpoTask(loop.Task):
+class GrpoTask(Task):
   defer_metrics = False  # a step's metrics are on the host already: its rewards and the update's sums
 
-  def build(self, setup: loop.Setup, optimizer, schedule):
+  def __init__(self, cfg: RunConfig):
+    super().__init__(cfg)
+    g, s = cfg.grpo, cfg.sampling
+    self.rows = g.prompts_per_step * s.num_samples
+    # Mini-batches are drawn as whole groups (each prompt's samples together, in order, as verl splits its rollout),
+    # so the update can run each prompt once per group.
+    self.group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
+    self.loss_cfg = objective.GrpoLossConfig(
+        clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode, agg=g.agg,
+        kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind, entropy_coef=g.entropy_coef,
+        temperature=s.temperature, group_size=self.group_size, rollout_is=g.rollout_is,
+        rollout_is_threshold=g.rollout_is_threshold, rollout_rs=g.rollout_rs,
+        rollout_rs_threshold=g.rollout_rs_threshold, rollout_rs_threshold_lower=g.rollout_rs_threshold_lower,
+        norm_rows=self.rows // g.mini_batches, tau_pos=g.tau_pos, tau_neg=g.tau_neg, horizon=g.loss_scale_factor)
+    self.plan = LogprobPlan.of(g, s, self.loss_cfg.corrects)
+
+  def build(self, setup: Setup, optimizer, schedule):
     cfg, g, s = self.cfg, self.cfg.grpo, self.cfg.sampling
     self.setup = setup
     mesh, tok, graphdef = setup.mesh, setup.tok, setup.graphdef
@@ -86,17 +88,6 @@ class GrpoTask(loop.Task):
                            for i in range(min(len(eval_source), g.eval_examples))]
       self.eval_records = [eval_source[i] for i in range(min(len(eval_source), g.eval_examples))]
 
-    self.rows = g.prompts_per_step * s.num_samples
-    # Mini-batches are drawn as whole groups (each prompt's samples together, in order, as verl splits its rollout),
-    # so the update can run each prompt once per group.
-    self.group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
-    self.loss_cfg = objective.GrpoLossConfig(
-        clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode, agg=g.agg,
-        kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind, entropy_coef=g.entropy_coef,
-        temperature=s.temperature, group_size=self.group_size, rollout_is=g.rollout_is,
-        rollout_is_threshold=g.rollout_is_threshold, rollout_rs=g.rollout_rs,
-        rollout_rs_threshold=g.rollout_rs_threshold, rollout_rs_threshold_lower=g.rollout_rs_threshold_lower,
-        norm_rows=self.rows // g.mini_batches, tau_pos=g.tau_pos, tau_neg=g.tau_neg, horizon=g.loss_scale_factor)
     # grpo.compact_sizes: the update batch holds the informative groups only, padded to a multiple of `compact_unit`.
     self.compact_unit = g.prompts_per_step // g.compact_sizes if g.compact_sizes else 0
     self.batch_sharding = parallel.batch_sharding(mesh)
@@ -119,9 +110,6 @@ class GrpoTask(loop.Task):
     self.reference = setup.reference()
     self.ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, self.reference)) if cfg.model.offload_reference \
         else self.logprobs
-    # The reference acts through the KL coefficient only: at 0 (DAPO's recipe, no KL term) its forward runs on the
-    # steps that report the KL to it, not on every step.
-    self.ref_every_step = bool(g.kl_coef) or g.kl_in_reward or g.kl_ctrl == "adaptive" or bool(g.max_kl)
     self.report_kl = jax.jit(lambda logp, ref_logp, mask: adv_lib.masked_mean(
         policy_lib.kl_penalty(logp, ref_logp, g.kl_kind), mask.astype(jnp.float32)), out_shardings=self.rep)
     self.critic = Critic(cfg, nnx.merge(graphdef, setup.full(setup.state.params)), mesh,
@@ -132,25 +120,38 @@ class GrpoTask(loop.Task):
     self.initial = {}  # the initial policy's held-out accuracies
     self.step = 0
     self.last: dict = {}
-    self.iterator = _prompt_iterator(cfg, len(self.stage))
-    self.in_flight: dict[int, Future | Rollout] = {}  # async: step -> its rollout, sampled or being sampled
-    self.generator = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if g.async_staleness else None
-    self.sample_shardings = None  # the policy's layout on the rollout mesh (set on first use)
-    return self.iterator
+    self.sampler = StepSampler(cfg, self.stage, graphdef, self.sample_mesh, setup.rollout_mesh)
+    return self.sampler.iterator
 
   def rollout_mesh_shape(self) -> tuple:
     return tuple(self.cfg.grpo.rollout_mesh)
 
+  # The update, as the run and the fit check build it ------------------------------------------------------------
+  def micro_batches(self) -> int:
+    return 1  # a mini-batch is one update
+
+  def make_loss_fn(self, graphdef, rows: int = 0):
+    """The policy loss over mini-batches of `rows` rows (0: a full mini-batch of the step)."""
+    rows = rows or self.rows // self.cfg.grpo.mini_batches
+    return objective.make_loss_fn(graphdef, dataclasses.replace(self.loss_cfg, global_rows=rows), self.cfg.logprobs)
+
+  def update_optimizer(self, lr_scale: float = 1.0):
+    """The update's optimizer at `lr_scale` x the configured learning rate (the optimizer state's structure does not
+    depend on it, so lowering it mid-run only recompiles), its schedule counting updates_per_step per step."""
+    cfg = self.cfg
+    return optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
+                          cfg.grpo.updates_per_step)
+
+  def abstract_batch(self) -> dict:
+    s = self.cfg.sampling
+    return self.plan.abstract_batch(self.rows // self.cfg.grpo.mini_batches, s.num_samples, s.max_prompt_length,
+                                    s.max_new_tokens)
+
   def _update_fn(self, mini_batch_rows: int):
-    """The jitted policy update at `lr_scale` x the configured learning rate (the optimizer state's structure does
-    not depend on it, so lowering it mid-run only recompiles), for mini-batches of `mini_batch_rows` rows."""
+    """The jitted policy update at `lr_scale` for mini-batches of `mini_batch_rows` rows."""
     if mini_batch_rows not in self.updates:
-      cfg, s = self.cfg, self.setup
-      loss_fn = objective.make_loss_fn(s.graphdef, dataclasses.replace(self.loss_cfg, global_rows=mini_batch_rows),
-                                       cfg.logprobs)
-      opt, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * self.lr_scale),
-                                     cfg.train.steps, cfg.grpo.updates_per_step)
-      jitted = step_lib.jit_step(loss_fn, opt, schedule, 1, s.mesh, s.trainable(), dropout_seed=loop.dropout_seed(cfg))
+      s = self.setup
+      jitted = self.jit_update(s.mesh, s.trainable(), *self.update_optimizer(self.lr_scale), rows=mini_batch_rows)
       self.updates[mini_batch_rows] = lambda state, batch: jitted(state, batch, s.frozen)
     return self.updates[mini_batch_rows]
 
@@ -228,142 +229,40 @@ class GrpoTask(loop.Task):
               f"({(acc - self.initial['eval/accuracy']) * 100:+.1f} points); KL to reference {kl:.4f}")
     return f"step {step}: held-out {self.metric} accuracy {self._describe(now)}  KL to reference {kl:.4f}"
 
-  def _generate(self, params, step: int, version: int) -> Rollout:
-    """Step `step`'s groups, sampled by the policy `params` (after `version` updates)."""
-    g = self.cfg.grpo
-    t0 = time.perf_counter()
-    step_key = jax.random.fold_in(self.key, step - 1)
-    lm = self._policy(params)
-    with jax.set_mesh(self.sample_mesh):  # also in the generation thread (the mesh is a per-thread setting)
-      batches = [self.stage.collect(lm, next(self.iterator), step_key)]
-      while (g.dynamic_sampling and len(batches) < g.max_gen_batches
-             and sum(int(b.informative().sum()) for b in batches) < g.prompts_per_step):
-        # DAPO: refill until prompts_per_step groups carry signal (verl filter_groups)
-        batches.append(self.stage.collect(lm, next(self.iterator), jax.random.fold_in(step_key, len(batches) + 1)))
-    sampled = Groups.select(batches, g.prompts_per_step) if len(batches) > 1 else batches[0]
-    if g.async_staleness:  # sampled by an older policy: its log-probs are the behaviour policy's
-      sampled = dataclasses.replace(sampled, behaviour=sampled.sampler_logp)
-    return Rollout(sampled, len(batches), version, time.perf_counter() - t0)
-
-  def _rollout(self, state, step: int) -> tuple[Rollout, float]:
-    """This step's rollout and the seconds spent waiting for it. Synchronous: sampled now by the current policy.
-    With async_staleness k: first the rollouts up to step + k are submitted to the generation thread (each by the
-    policy as it is now, version step - 1), then this step's, submitted k steps ago, is awaited."""
-    k, full = self.cfg.grpo.async_staleness, self.setup.full
-    if not k:
-      return self._generate(self._for_sampling(full(state.params)), step, step - 1), 0.0
-    snapshot = None
-    for later in range(step, min(step + k, self.cfg.train.steps) + 1):
-      if later not in self.in_flight:
-        if snapshot is None:
-          snapshot = self._for_sampling(full(state.params))
-        self.in_flight[later] = self.generator.submit(self._generate, snapshot, later, step - 1)
-    t0 = time.perf_counter()
-    rollout = self.in_flight.pop(step)
-    return (rollout.result() if isinstance(rollout, Future) else rollout), time.perf_counter() - t0
-
-  def _for_sampling(self, params):
-    """The policy as sampling reads it: copied to the rollout mesh in sampling's layout where there is one (the
-    sampler's own re-layout then finds it in place); else on the training devices, copied when the generation
-    thread reads it (the update donates the state's buffers)."""
-    if self.setup.rollout_mesh is None:
-      return jax.tree.map(jnp.copy, params) if self.cfg.grpo.async_staleness else params
-    if self.sample_shardings is None:
-      self.sample_shardings = nnx.to_pure_dict(state_shardings(self._policy(params), self.sample_mesh,
-                                                               self.stage.rules or self.cfg.mesh.rules))
-    if jax.process_count() > 1:  # across processes, disjoint device sets are bridged through each host's memory
-      params = to_host(params)
-    return jax.device_put(params, self.sample_shardings)
-
   def host_state(self):
-    """The rollouts sampled for the next steps (async): checkpointed, so a resumed run trains on the same ones."""
-    if not self.cfg.grpo.async_staleness:
-      return None
-    done = {s: r.result() if isinstance(r, Future) else r for s, r in self.in_flight.items()}
-    self.in_flight = dict(done)
-    return {str(s): {"groups": r.sampled.to_json(), "batches": r.batches, "version": r.version,
-                     "seconds": r.seconds} for s, r in sorted(done.items())}
+    return self.sampler.host_state()
 
   def load_host_state(self, obj) -> None:
-    self.in_flight = {int(s): Rollout(Groups.from_json(r["groups"]), r["batches"], r["version"], r["seconds"])
-                      for s, r in obj.items()}
-
-  def _shown(self, groups: Groups) -> list[dict]:
-    """The first completion of each of the first log.samples groups, decoded, with its reward."""
-    tok, rows = self.setup.tok, []
-    for i, prompt in enumerate(groups.prompts[:self.cfg.log.samples]):
-      j = i * groups.size
-      completion = tok.decode(groups.response[j, :int(groups.lengths[j])].tolist(), skip_special_tokens=False)
-      rows.append({"prompt": prompt.text, "completion": completion, "reward": float(groups.scores[j]),
-                   "ground_truth": prompt.ground_truth, "where": prompt.where})
-    return rows
+    self.sampler.load_host_state(obj)
 
   def train_step(self, state, step: int):
-    cfg, g, n = self.cfg, self.cfg.grpo, self.spec.num_samples
-    full, tok = self.setup.full, self.setup.tok
+    """rollout -> update batch -> its log-prob columns (`self.plan`) -> advantages -> ppo_epochs x mini-batch
+    updates -> metrics."""
+    cfg, g = self.cfg, self.cfg.grpo
     self.step = step
     t0 = time.perf_counter()
-    rollout, waited = self._rollout(state, step)
-    sampled = rollout.sampled
+    rollout, waited = self.sampler.rollout(self.setup.full(state.params), step)
     if self.log is not None and self.log.wants_samples(step):
-      self.log.samples(step, self._shown(sampled))
-    signal = sampled.informative()
-    trained = sampled
-    if self.compact_unit:  # leave out the groups the loss would mask: the same loss for less work
-      kept = -(-int(signal.sum()) // self.compact_unit) * self.compact_unit
-      trained = Groups.select([sampled], max(kept, self.compact_unit))
-
-    batch = update_rows(trained, tok.pad_id)
-    response_mask = batch["response_mask"]
-    # Offline or asynchronous, the clipped ratio is taken against the stored behaviour log-probs, or (a rollout
-    # correction) against the policy before this step's update, the behaviour log-probs then weighting or masking.
-    old_is_current = trained.behaviour is None or self.loss_cfg.corrects
-    if trained.behaviour is not None:
-      batch["behaviour_logp" if self.loss_cfg.corrects else "old_logp"] = trained.behaviour
-    device_batch = loop.global_from_full(batch, self.batch_sharding)
-    if old_is_current and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward):
-      device_batch["old_logp"] = self.logprobs(full(state.params), device_batch)  # else on-policy: objectives.grpo
+      self.log.samples(step, rollout.sampled.shown(self.setup.tok, cfg.log.samples))
+    trained = self._compacted(rollout.sampled)
     logs = step % cfg.train.log_every == 0 or step == cfg.train.steps
     evals = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_prompts)
-    kl_to_ref = None
-    if self.ref_every_step and g.kl_in_reward:  # the rewards subtract the KL: the advantages need it
-      device_batch["ref_logp"] = self.ref_logprobs(self.reference, device_batch)
-    elif not self.ref_every_step and (logs or evals):  # the policy's log-probs before this step's update, as the loss would see them on-policy
-      current = device_batch["old_logp"] if old_is_current and "old_logp" in device_batch else \
-          self.logprobs(full(state.params), device_batch)
-      kl_to_ref = (current, self.ref_logprobs(self.reference, device_batch))
-    agreement = {}
-    rollout_logp = trained.behaviour if trained.behaviour is not None else trained.sampler_logp
-    kept_logp = None
-    if self.filtered and rollout_logp is not None and (self.loss_cfg.corrects or logs):
-      kept_logp = self.kept_logprobs(full(state.params), device_batch)
-      if self.loss_cfg.corrects:
-        device_batch["kept_logp"] = kept_logp
-    if logs and rollout_logp is not None:  # the sampler's log-probs against the trainer's, same tokens and weights
-      current = kept_logp if kept_logp is not None else device_batch["old_logp"] if old_is_current and "old_logp" in \
-          device_batch else kl_to_ref[0] if kl_to_ref is not None else self.logprobs(full(state.params), device_batch)
-      agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
+    params = self.setup.full(state.params)
+    batch, response_mask, kl_pair, agreement = self._batch(params, trained, report_kl=logs or evals, agree=logs)
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
-    groups = np.repeat(np.arange(len(trained.prompts)), n)
-    adv, extra_cols, adv_metrics = advantages(g, device_batch, trained.scores, groups, self.critic, kl_coef,
-                                              trained.baselines, trained.token_rewards)
-    if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
-      extra_cols["response_mask"] = response_mask * np.repeat(trained.informative(), n)[:, None]
-    no_signal = not np.any((adv != 0) & (extra_cols.get("response_mask", response_mask) > 0))
+    adv_metrics, no_signal = self._advantages(batch, response_mask, trained, kl_coef)
     skip_update = no_signal and g.no_signal == "skip" and self.critic is None  # a critic still learns the returns
-    device_batch.update(loop.global_from_full({"advantages": adv, **extra_cols}, self.batch_sharding))
-    if self.ref_every_step and not g.kl_in_reward and not skip_update:  # only the loss's KL term reads it
-      device_batch["ref_logp"] = self.ref_logprobs(self.reference, device_batch)
-    if kl_to_ref is not None:
-      kl_to_ref = float(self.report_kl(*kl_to_ref, device_batch["response_mask"]))
+    if self.plan.reference and not g.kl_in_reward and not skip_update:  # only the loss's KL term reads it
+      batch["ref_logp"] = self.ref_logprobs(self.reference, batch)
+    kl_to_ref = None if kl_pair is None else float(self.report_kl(*kl_pair, batch["response_mask"]))
     if self.kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
       self.kl_ctl.value = float(np.float32(self.kl_ctl.update(adv_metrics["actor/reward_kl"], self.rows)))
-
     t1 = time.perf_counter()
-    state, metrics = self._update(state, device_batch, step, epochs=0 if skip_update else g.ppo_epochs)
+    state, metrics = self._update(state, batch, step, epochs=0 if skip_update else g.ppo_epochs)
     metrics.update(adv_metrics)
     metrics["actor/no_signal"] = float(no_signal)
     if no_signal and logs:
+      signal = rollout.sampled.informative()
       self.say(f"step {step}: no signal this step ({int(signal.sum())} of {len(signal)} groups have rewards that "
                "differ; every advantage is 0)" + ("; update skipped" if skip_update else ""))
     if kl_to_ref is not None:
@@ -371,26 +270,86 @@ class GrpoTask(loop.Task):
     metrics.update(agreement)
     if self.kl_ctl is not None or g.kl_in_reward:
       metrics["actor/kl_coef"] = kl_coef
+    metrics.update(self._rollout_metrics(rollout, trained, waited, t0, t1))
+    self._monitor(step, metrics, trained, no_signal)
+    return state, StepOut(metrics, records=[p.where for p in trained.prompts])
+
+  def _compacted(self, sampled: Groups) -> Groups:
+    """grpo.compact_sizes: the groups the loss would mask left out (the same loss for less work)."""
+    if not self.compact_unit:
+      return sampled
+    kept = -(-int(sampled.informative().sum()) // self.compact_unit) * self.compact_unit
+    return Groups.select([sampled], max(kept, self.compact_unit))
+
+  def _batch(self, params, trained: Groups, *, report_kl: bool, agree: bool):
+    """The update batch of `trained` on the devices with the log-prob columns of `self.plan` (the reference's only
+    where the advantages need it); its host response mask; (policy, reference) log-probs to report the KL with on a
+    step where the reference does not run anyway (`report_kl`), else None; and with `agree`, the agreement of the
+    sampler's log-probs with the trainer's."""
+    g, plan = self.cfg.grpo, self.plan
+    rows = update_rows(trained, self.setup.tok.pad_id)
+    response_mask = rows["response_mask"]
+    if plan.stored:  # offline or asynchronous: the ratio is against the stored behaviour log-probs, or (a rollout
+      rows[plan.stored] = trained.behaviour  # correction) against the policy before the update, these weighting
+    batch = global_from_full(rows, self.batch_sharding)
+    if plan.current_old:
+      batch["old_logp"] = self.logprobs(params, batch)
+    kl_pair = None
+    if plan.reference and g.kl_in_reward:  # the rewards subtract the KL: the advantages need it
+      batch["ref_logp"] = self.ref_logprobs(self.reference, batch)
+    elif not plan.reference and report_kl:  # the policy's log-probs before the update, as the loss sees them
+      current = batch["old_logp"] if plan.current_old else self.logprobs(params, batch)
+      kl_pair = (current, self.ref_logprobs(self.reference, batch))
+    rollout_logp = trained.behaviour if trained.behaviour is not None else trained.sampler_logp
+    kept_logp = None
+    if self.filtered and rollout_logp is not None and (plan.kept or agree):
+      kept_logp = self.kept_logprobs(params, batch)
+      if plan.kept:
+        batch["kept_logp"] = kept_logp
+    agreement = {}
+    if agree and rollout_logp is not None:  # the sampler's log-probs against the trainer's, same tokens and weights
+      current = kept_logp if kept_logp is not None else batch["old_logp"] if plan.current_old else \
+          kl_pair[0] if kl_pair is not None else self.logprobs(params, batch)
+      agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
+    return batch, response_mask, kl_pair, agreement
+
+  def _advantages(self, batch: dict, response_mask: np.ndarray, trained: Groups, kl_coef: float):
+    """Advantages (and the critic's columns) into `batch`; their metrics, and whether every advantage is 0."""
+    g, n = self.cfg.grpo, self.spec.num_samples
+    groups = np.repeat(np.arange(len(trained.prompts)), n)
+    adv, extra, metrics = advantages(g, batch, trained.scores, groups, self.critic, kl_coef, trained.baselines,
+                                     trained.token_rewards)
+    if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
+      extra["response_mask"] = response_mask * np.repeat(trained.informative(), n)[:, None]
+    no_signal = not np.any((adv != 0) & (extra.get("response_mask", response_mask) > 0))
+    batch.update(global_from_full({"advantages": adv, **extra}, self.batch_sharding))
+    return metrics, no_signal
+
+  def _rollout_metrics(self, rollout: Rollout, trained: Groups, waited: float, t0: float, t1: float) -> dict:
+    sampled, out = rollout.sampled, {}
     if sampled.rm_scores is not None:
-      metrics["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
+      out["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
     if sampled.counts is not None:
-      metrics.update(agent_summary(sampled.counts, sampled.lengths))
-    metrics.update({"critic/score/mean": float(np.mean(sampled.scores)),
-                    "response_length/mean": float(np.mean(sampled.lengths)),
-                    "actor/informative_groups": float(np.mean(signal)),
-                    "timing_s/gen": rollout.seconds, "timing_s/update": time.perf_counter() - t1,
-                    "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": rollout.batches,
-                    "actor/update_groups": len(trained.prompts)})
-    if g.async_staleness:
-      metrics.update({"rollout/policy_lag": float(step - 1 - rollout.version), "timing_s/gen_wait": waited})
-    signals, warnings = self.monitors.after_step(step, metrics, _example(trained, tok, self.rewards)
-                                                 if no_signal else "")
+      out.update(agent_summary(sampled.counts, sampled.lengths))
+    out.update({"critic/score/mean": float(np.mean(sampled.scores)),
+                "response_length/mean": float(np.mean(sampled.lengths)),
+                "actor/informative_groups": float(np.mean(sampled.informative())),
+                "timing_s/gen": rollout.seconds, "timing_s/update": time.perf_counter() - t1,
+                "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": rollout.batches,
+                "actor/update_groups": len(trained.prompts)})
+    if self.cfg.grpo.async_staleness:
+      out.update({"rollout/policy_lag": float(self.step - 1 - rollout.version), "timing_s/gen_wait": waited})
+    return out
+
+  def _monitor(self, step: int, metrics: dict, trained: Groups, no_signal: bool) -> None:
+    """The run's monitors (their signals into `metrics`, their warnings said) and grpo.max_kl."""
+    example = trained.example(self.setup.tok, self.rewards.weights) if no_signal else ""
+    signals, warnings = self.monitors.after_step(step, metrics, example)
     metrics.update(signals)
     for line in warnings:
       self.say(f"warning: {line}")
     self._kl_bound(step, metrics.get("actor/kl_loss", 0.0))
     self.last = metrics
-    return state, loop.StepOut(metrics, records=[p.where for p in trained.prompts])
 
   def _update(self, state, device_batch: dict, step: int, epochs: int):
     """`epochs` passes of shuffled mini-batches through the policy update (and the critic's); the metrics averaged
@@ -429,14 +388,9 @@ class GrpoTask(loop.Task):
       self.stop_reason = f"KL to the reference {kl:.4f} exceeds grpo.max_kl={g.max_kl}"
 
 
+def task(cfg: RunConfig) -> GrpoTask:
+  return GrpoTask(cfg)
+
+
 def run(cfg: RunConfig) -> dict:
-  return loop.run(cfg, GrpoTask(cfg))
-
-
-def _example(groups: Groups, tok, rewards: RewardSpec) -> str:
-  """The rewards and the first scored completion of `groups`, for messages about the reward."""
-  p = groups.prompts[0]
-  text = tok.decode(groups.response[0, :groups.lengths[0]])
-  names = ", ".join(f"{name} x {w:g}" for name, w in rewards.weights)
-  return (f"Rewards: {names}. For example {p.where} (ground truth {p.ground_truth!r}) scored "
-          f"{float(groups.scores[0]):g} for the completion {text[:160]!r}.")
+  return loop.run(cfg, task(cfg))

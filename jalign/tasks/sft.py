@@ -6,9 +6,10 @@ from jalign.data import sft as sft_data
 from jalign.data.sources import DataError, open_source
 from jalign.objectives import sft
 from jalign.train import loop
+from jalign.train.task import Task
 
 
-class SftTask(loop.Task):
+class SftTask(Task):
   def make_loss_fn(self, graphdef):
     return sft.make_loss_fn(graphdef, logprobs=self.cfg.logprobs)
 
@@ -30,5 +31,9 @@ class SftTask(loop.Task):
     return {"eval/exact_match": sft.exact_match(setup.graphdef, params, examples)}
 
 
+def task(cfg: RunConfig) -> SftTask:
+  return SftTask(cfg)
+
+
 def run(cfg: RunConfig) -> dict:
-  return loop.run(cfg, SftTask(cfg))
+  return loop.run(cfg, task(cfg))

@@ -23,15 +23,10 @@ from jalign.sections import to_dataclass
 from jalign.eval import policy as policy_eval, report
 from jalign.objectives.reward import is_ensemble
 from jalign.parallel.distributed import is_main, say
-from jalign.train import reward
+from jalign import tasks
+from jalign.tasks import rm
 
-TASKS = ("sft", "rm", "grpo", "ppo", "dpo")
 KEYS = ("task", "run_dir", "base_model", "order", "rm_weight", "stages", "eval", "distributed")
-
-
-def _runner(task: str):
-  from jalign.train import dpo, grpo, reward, sft
-  return {"sft": sft.run, "rm": reward.run, "grpo": grpo.run, "ppo": grpo.run, "dpo": dpo.run}[task]
 
 
 def _write_json(path: str, obj) -> None:
@@ -48,9 +43,9 @@ def stage_configs(values, num_devices: int) -> list[tuple[str, str, Any]]:
   if unknown:
     raise ConfigError(f"config.{unknown[0]}: unknown key; accepted keys of a pipeline config: {', '.join(KEYS)}")
   order = tuple(c["order"])
-  bad = [t for t in order if t not in TASKS]
+  bad = [t for t in order if t not in tasks.TRAINING]
   if bad or not order:
-    raise ConfigError(f"config.order={order}: stages must be among {', '.join(TASKS)}")
+    raise ConfigError(f"config.order={order}: stages must be among {', '.join(tasks.TRAINING)}")
   if order.count("rm") > 1:
     raise ConfigError(f"config.order={order}: at most one reward-model stage")
   policy, rm_path, out = c["base_model"], "", []
@@ -76,7 +71,7 @@ def stage_configs(values, num_devices: int) -> list[tuple[str, str, Any]]:
       raise ConfigError(str(e).replace("config.", f"config.stages.{task}.", 1)) from None
     out.append((name, task, cfg))
     if task == "rm":  # its model, or its ensemble (rm.members)
-      rm_path = reward.reward_model_dir(cfg)
+      rm_path = rm.reward_model_dir(cfg)
     else:
       policy = os.path.join(stage["run_dir"], "hf")
   return out
@@ -103,10 +98,10 @@ def run(values, num_devices: int) -> dict:
       info = json.load(open(marker, encoding="utf-8"))
     else:
       say(f"stage {name}: {task} from {cfg.model.path} -> {cfg.run_dir}")
-      final = _runner(task)(cfg)
+      final = tasks.run(cfg)
       exported = os.path.join(cfg.run_dir, "hf")
       if task == "rm":
-        evaluation = policy_eval.pair_metrics(reward.reward_model_dir(cfg), _tokenizer(exported),
+        evaluation = policy_eval.pair_metrics(rm.reward_model_dir(cfg), _tokenizer(exported),
                                               cfg.data.eval or cfg.data.train, max_length=cfg.data.max_length,
                                               batch_size=e.batch_size) if (cfg.data.eval or cfg.data.train) else {}
       else:
@@ -114,7 +109,7 @@ def run(values, num_devices: int) -> dict:
       info = {"task": task, "model": cfg.model.path, "final": final, "eval": evaluation}
       _write_json(marker, info)
     if task == "rm":
-      rm_path = reward.reward_model_dir(cfg)
+      rm_path = rm.reward_model_dir(cfg)
     results[name] = info
   path = report.build(root) if is_main() else None
   if path:
