@@ -32,11 +32,11 @@ from jalign.sections import bounded
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
-  steps: int = bounded(1000, gt=0)
+  steps: int = bounded(1000, gt=0)        # optimizer steps (GRPO / PPO: steps of prompts_per_step groups)
   batch_size: int = bounded(32, gt=0)     # global rows per optimizer step (packed rows when packing)
   micro_batches: int = bounded(1, gt=0)   # gradient accumulation: a lax.scan over this many slices
-  seq_len: int = bounded(512, gt=0)
-  log_every: int = bounded(10, gt=0)
+  seq_len: int = bounded(512, gt=0)       # tokens per row of a batch (packed or padded)
+  log_every: int = bounded(10, gt=0)      # steps between metric rows
   eval_every: int = bounded(0, ge=0)      # 0 = only at the end
   eval_batches: int = bounded(8, ge=0)    # held-out loss: batches of batch_size rows from data.eval
   eval_examples: int = bounded(256, ge=0)  # held-out task check: prompts of the generative accuracy; a reward
@@ -47,24 +47,25 @@ class TrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
-  lr: float = bounded(1e-4, gt=0)
+  lr: float = bounded(1e-4, gt=0)         # peak learning rate
+  # after warmup: cosine or linear decay to lr x min_lr_ratio, or constant
   schedule: Literal["cosine", "linear", "constant"] = "cosine"
   warmup_steps: int = bounded(0, ge=0)    # clipped to train.steps (with a warning)
   min_lr_ratio: float = bounded(0.0, ge=0, le=1)  # cosine/linear end value as a fraction of lr
   weight_decay: float = bounded(0.0, ge=0)  # AdamW, not applied to norm scales and biases
-  b1: float = bounded(0.9, ge=0, lt=1)
-  b2: float = bounded(0.999, ge=0, lt=1)
-  eps: float = bounded(1e-8, ge=0)
+  b1: float = bounded(0.9, ge=0, lt=1)    # AdamW first-moment decay
+  b2: float = bounded(0.999, ge=0, lt=1)  # AdamW second-moment decay
+  eps: float = bounded(1e-8, ge=0)        # AdamW denominator epsilon
   clip_norm: float = bounded(1.0, ge=0)   # global-norm clipping; 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
   every: int = bounded(0, ge=0)           # steps between checkpoints; 0 = only at the end (and on SIGTERM)
-  keep: int = bounded(3, gt=0)
+  keep: int = bounded(3, gt=0)            # checkpoints kept (the newest)
   resume: bool = True                     # continue from the newest complete checkpoint in run_dir
   export_hf: bool = True                  # write an HF checkpoint to run_dir/hf at the end
-  async_save: bool = True
+  async_save: bool = True                 # write checkpoints in the background while training continues
   preempt_grace_s: float = bounded(30.0, ge=0)  # after SIGTERM: save within this long or exit 143 anyway (spot VMs and
                                           # Kubernetes give 30 s before SIGKILL); 0 = no limit
 
@@ -75,7 +76,7 @@ class LogSection:
   jsonl: bool = True                      # run_dir/metrics.jsonl
   tensorboard: bool = True                # run_dir/tensorboard (tensorboardX, when installed)
   wandb: bool = False                     # when wandb is installed
-  wandb_project: str = "jalign"
+  wandb_project: str = "jalign"           # Weights & Biases project (with log.wandb)
   peak_flops: float = bounded(0.0, ge=0)  # per device, for MFU; 0 = from the device kind when known
   samples: int = bounded(2, ge=0)         # sampled completions shown with their rewards (RL, evaluation); 0 = none
   samples_every: int = bounded(50, gt=0)  # steps between them (and the first step): console, samples.jsonl,
@@ -84,9 +85,10 @@ class LogSection:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+  # what the run does (`jalign.tasks`); a chain of them is configs/pipeline.py
   task: Literal["sft", "rollout", "grpo", "ppo", "rm", "dpo", "eval"] = "sft"
-  run_dir: str = "runs/default"
-  seed: int = 0
+  run_dir: str = "runs/default"           # checkpoints, metrics, exports and the report; a rerun resumes here
+  seed: int = 0                           # model initialisation, data order, sampling
   tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
   model: ModelSection = ModelSection()
   data: DataSection = DataSection()
@@ -203,3 +205,20 @@ def _validate_lora(cfg: RunConfig) -> None:
 def as_dict(cfg) -> dict[str, Any]:
   """JSON-friendly dict of a RunConfig (stored in checkpoints)."""
   return dataclasses.asdict(cfg)
+
+
+def reference_page() -> str:
+  """docs/config.md: every key of the run config from the section dataclasses (`python -m jalign.config`)."""
+  return "\n".join([
+      "# Config reference", "",
+      "Every key of a run config: its type, default, bounds and meaning, generated from the section dataclasses",
+      "(`python -m jalign.config > docs/config.md`; a test fails when this page is stale). A config file",
+      "(`configs/<task>.py`) starts from these defaults and states what it changes; `--config.<key>=<value>` overrides",
+      "any key on the command line and `--list_keys` prints a config's values. A chain (`configs/pipeline.py`) has",
+      "its own keys (task, run_dir, base_model, order, rm_weight, stages, eval, distributed); each stage is a run",
+      "config.", "",
+      *sections.reference(RunConfig), ""])
+
+
+if __name__ == "__main__":
+  print(reference_page(), end="")

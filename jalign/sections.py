@@ -187,3 +187,55 @@ def listing(cls, values, key: str = "config") -> list[str]:
                              bounds_text(f.metadata["bounds"]) else "")
     lines.append(f"{key}.{f.name} = {value!r}  ({about})")
   return lines
+
+
+def field_docs(cls) -> dict[str, str]:
+  """Each field's comment in the source of section `cls`: the comment on its line, the comment lines indented under
+  it that continue it, and a comment block right above it at its own indentation."""
+  import ast
+  import inspect
+  import io
+  import textwrap
+  import tokenize
+  source = textwrap.dedent(inspect.getsource(cls))
+  comments = {tok.start[0]: (tok.start[1], tok.string.lstrip("#").strip())
+              for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+  lines = source.splitlines()
+  only_comment = lambda n: 0 < n <= len(lines) and lines[n - 1].lstrip().startswith("#")  # noqa: E731
+  out = {}
+  for node in ast.parse(source).body[0].body:
+    if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+      continue
+    column, above, n = node.col_offset, [], node.lineno - 1
+    while only_comment(n) and comments[n][0] == column:
+      above.insert(0, comments[n][1])
+      n -= 1
+    own = [comments[i][1] for i in range(node.lineno, node.end_lineno + 1) if i in comments]
+    n = node.end_lineno + 1
+    while own and only_comment(n) and comments[n][0] > column:
+      own.append(comments[n][1])
+      n += 1
+    out[node.target.id] = " ".join(above + own)
+  return out
+
+
+def reference(cls, key: str = "config") -> list[str]:
+  """Markdown tables of every key of section `cls` (and its sub-sections): type, default, bounds and the comment
+  its declaration carries."""
+  hints, docs = typing.get_type_hints(cls), field_docs(cls)
+  rows, nested = [], []
+  for f in dataclasses.fields(cls):
+    if not f.init:
+      continue
+    tp = hints[f.name]
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if dataclasses.is_dataclass(tp):
+      nested += ["", f"### `{key}.{f.name}`" + (f": {docs[f.name]}" if docs.get(f.name) else ""), ""]
+      nested += reference(tp, f"{key}.{f.name}")
+      continue
+    bounds = bounds_text(f.metadata["bounds"]) if "bounds" in f.metadata else ""
+    cell = lambda text: str(text).replace("|", "\\|")  # noqa: E731
+    rows.append(f"| `{f.name}` | {cell(_describe(tp).replace('NoneType', 'None'))} | `{cell(repr(default))}` | "
+                f"{cell(bounds)} | {cell(docs.get(f.name, ''))} |")
+  table = ["| key | type | default | bounds | meaning |", "| --- | --- | --- | --- | --- |"] + rows if rows else []
+  return table + nested

@@ -230,12 +230,15 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
 @dataclasses.dataclass(frozen=True)
 class DataSection:
   train: str = ""                         # file / glob / list, tfds:NAME:SPLIT@DIR, or synthetic:TASK:SPLIT
-  eval: str = ""
+  eval: str = ""                          # held-out data for eval/loss (same forms as train); "" = none
   max_length: int = bounded(512, gt=0)    # tokens per example after truncation
+  # an example longer than max_length: keep its start, keep its end, or drop it
   truncation: Literal["keep_start", "keep_end", "drop"] = "keep_start"
+  # SFT: several examples per row (segment ids keep them apart); False: one per row, padded
   packing: bool = True
   buckets: tuple[int, ...] = ()           # unpacked padding lengths; () = train.seq_len
-  shuffle: bool = True
+  shuffle: bool = True                    # shuffle the training records (each epoch)
+  # skip (and count) malformed records instead of stopping at the first with file:line
   skip_bad_records: bool = False
   read_threads: int = bounded(0, ge=0)    # grain reading threads (raise for remote storage); 0 = on demand
   num_packing_bins: int = bounded(0, ge=0)  # 0 = rows per process batch

@@ -40,7 +40,7 @@ class EvalSection:
   prompts: str = "synthetic:arith:test"   # held-out prompts with ground truth (any prompt source jalign reads)
   examples: int = bounded(256, gt=0)      # prompts evaluated (the first ones)
   metric: str = "gsm8k"                   # the verifier: a verifiable reward of jalign.rl.rewards
-  max_new_tokens: int = bounded(16, gt=0)
+  max_new_tokens: int = bounded(16, gt=0)  # tokens generated per prompt
   num_samples: int = bounded(0, ge=0)     # n samples per prompt for pass@k; 0 = greedy only
   pass_k: tuple[int, ...] = (1,)          # k values for pass@k (each <= num_samples)
   temperature: float = 1.0                # of the samples (pass@k and the KL estimate)
@@ -49,8 +49,8 @@ class EvalSection:
   judge: Literal["auto", "reward_model", "verifier"] = "auto"  # win rate judge; auto = the reward model if any
   sft_data: str = ""                      # held-out SFT data: perplexity
   pairs: str = ""                         # held-out preference pairs: the reward model's pairwise accuracy, Spearman
-  batch_size: int = bounded(128, gt=0)
-  seed: int = 0
+  batch_size: int = bounded(128, gt=0)    # prompts (or pairs) per forward
+  seed: int = 0                           # sampling (pass@k)
 
   def check(self, model_path: str) -> None:
     if not model_path:

@@ -320,7 +320,8 @@ class ModelSection:
   arch: ModelConfig | None = None      # architecture for a from-scratch model
   dtype: Literal["float32", "bfloat16"] = "float32"           # parameters
   compute_dtype: Literal["", "float32", "bfloat16"] = ""       # activations; "" = dtype
-  scan_layers: bool = True
+  scan_layers: bool = True                # run the layers as one scanned block (one compile for all of them)
+  # recompute activations in the backward: none, full, or dots (keep matmul outputs)
   remat: Literal["none", "full", "dots"] = "none"
   attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
   lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning

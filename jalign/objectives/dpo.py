@@ -132,18 +132,18 @@ class DpoSection:
   label_smoothing: float = bounded(0.0, ge=0, lt=0.5)  # sigmoid: conservative DPO; robust / exo_pair: the noise level
   simpo_gamma: float = 0.5                # SimPO target reward margin
   cpo_alpha: float = 1.0                  # CPO: weight of the chosen NLL
-  discopop_tau: float = 0.05
+  discopop_tau: float = 0.05              # discopop: the temperature of its mix of logistic and exponential losses
   rpo_alpha: float = bounded(0.0, ge=0)   # RPO (Pang et al. 2024): + alpha x token-mean NLL of the chosen; 0 = off
   desirable_weight: float = bounded(1.0, gt=0)  # KTO (unpaired prompt/completion/label data, or pairs split in two)
-  undesirable_weight: float = bounded(1.0, gt=0)
+  undesirable_weight: float = bounded(1.0, gt=0)  # KTO: weight of the undesirable examples' loss
   precompute_ref_logps: bool = False      # one reference pass over the data before training, then no reference forward
   share_prompt: bool = True               # each pair's prompt runs once, under both completions (prefix sharing)
   sync_ref_model: bool = False            # TR-DPO (Gorbatovski et al. 2024): ref = a * policy + (1 - a) * ref ...
-  ref_model_mixup_alpha: float = 0.6
+  ref_model_mixup_alpha: float = 0.6      # TR-DPO: reference <- alpha x policy + (1 - alpha) x reference at each sync
   ref_model_sync_steps: int = 512         # ... every this many steps
   eval_prompts: str = ""                  # held-out prompts for greedy task accuracy (needs a ground truth); "" = none
-  eval_examples: int = bounded(500, ge=0)
-  eval_max_new_tokens: int = 16
+  eval_examples: int = bounded(500, ge=0)  # held-out prompts for greedy accuracy (the first N of eval_prompts)
+  eval_max_new_tokens: int = 16           # tokens generated per held-out prompt
 
   def check(self) -> None:
     p = self

@@ -86,8 +86,8 @@ def read_all(directory: str) -> list[dict]:
 class RolloutSection:
   prompts: str = ""                # prompt source (same specs as data.train)
   output: str = ""                 # buffer directory inside run_dir (relative to it); "" = run_dir/buffer
-  format: Literal["parquet", "arrayrecord"] = "parquet"
-  prompts_per_batch: int = bounded(16, gt=0)
+  format: Literal["parquet", "arrayrecord"] = "parquet"  # replay buffer file format
+  prompts_per_batch: int = bounded(16, gt=0)  # prompts sampled per part (each part one file, written whole)
   limit: int = bounded(0, ge=0)    # first N prompts only; 0 = all
   min_reward: float | None = None  # drop trajectories scoring below this
 

@@ -20,14 +20,14 @@ class GrpoSection:
   buffer: str = ""                        # offline mode: a replay buffer directory from the rollout task
   prompts_per_step: int = bounded(16, gt=0)  # x sampling.num_samples completions per step
   mini_batches: int = bounded(1, gt=0)    # optimizer updates per epoch over the step's completions
-  ppo_epochs: int = bounded(1, gt=0)
+  ppo_epochs: int = bounded(1, gt=0)      # passes over the step's completions
   # grpo / drgrpo / rloo: group baselines; gae: PPO with a learned critic; reinforce_pp(_baseline): REINFORCE++;
   # remax: each prompt's greedy response, sampled and scored alongside, is the baseline (Li et al. 2023).
   adv_estimator: Literal["grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline",
                          "remax"] = "grpo"
   gamma: float = bounded(1.0, ge=0, le=1)  # discount (verl algorithm.gamma)
   lam: float = bounded(1.0, ge=0, le=1)   # GAE lambda (verl algorithm.lam)
-  clip_low: float = bounded(0.2, ge=0)
+  clip_low: float = bounded(0.2, ge=0)    # PPO clip: the ratio's lower bound is 1 - clip_low
   clip_high: float = 0.28                 # DAPO clip-higher (Yu et al. 2025); 0.2 = symmetric PPO
   clip_c: float | None = bounded(None, gt=1)  # dual clip (Ye et al. 2020); None = off
   # verl's loss_mode names; see losses.policy.policy_loss_matrix (clip_low / clip_high: log-ratio bounds for
@@ -35,17 +35,18 @@ class GrpoSection:
   loss_mode: Literal["vanilla", "gspo", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl"] = "vanilla"
   tau_pos: float = bounded(1.0, gt=0)     # sapo's gate temperature where A > 0 (verl actor.tau_pos)
   tau_neg: float = bounded(1.05, gt=0)    # ... where A <= 0 (verl actor.tau_neg)
+  # how token losses are averaged (verl loss_agg_mode; see losses.policy)
   agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
   loss_scale_factor: int = bounded(0, ge=0)  # seq-mean-token-sum-norm's constant T (verl's name); 0 = max_new_tokens
   kl_coef: float = 0.001                  # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl); 0 = no KL term
                                           # (DAPO): the reference then runs only on the steps that log the KL
-  kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
+  kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"  # KL estimator (Schulman's k1 / k2 / k3; abs)
   kl_in_reward: bool = False              # subtract kl_coef x KL(old || ref) from token rewards instead (verl
                                           # use_kl_in_reward); the KL loss term is then off
   kl_ctrl: Literal["fixed", "adaptive"] = "fixed"  # adaptive (Ziegler et al. 2019) steers the in-reward kl_coef
   kl_target: float = bounded(0.1, gt=0)   # adaptive: target KL per token (verl kl_ctrl.target_kl)
   kl_horizon: int = bounded(10000, gt=0)  # adaptive: horizon in rollouts (verl kl_ctrl.horizon)
-  entropy_coef: float = 0.0
+  entropy_coef: float = 0.0               # entropy bonus in the loss; 0 = off
   critic_lr: float = 1e-5                 # gae: the critic's own AdamW learning rate (verl critic.optim.lr)
   value_clip: float = bounded(0.5, gt=0)  # gae: clip of the value update around the rollout values (verl)
   critic_warmup: int = bounded(0, ge=0)   # gae: first steps update only the critic (verl trainer.critic_warmup)
@@ -60,7 +61,7 @@ class GrpoSection:
                                           # keys/values shared by the group's samples; mini-batches then hold whole
                                           # groups, which needs mini_batches to divide prompts_per_step); not with remat
   eval_prompts: str = ""                  # held-out prompts for greedy accuracy; "" = none
-  eval_examples: int = bounded(500, ge=0)
+  eval_examples: int = bounded(500, ge=0)  # held-out prompts evaluated (the first N of eval_prompts)
   max_kl: float = bounded(0.0, ge=0)      # bound on the mean KL to the reference; 0 = off
   max_kl_action: Literal["stop", "lower_lr"] = "stop"  # past max_kl: checkpoint and stop, or lower the lr
   kl_lr_factor: float = bounded(0.5, gt=0, lt=1)  # lower_lr: multiply the learning rate by this at each breach
@@ -76,10 +77,11 @@ class GrpoSection:
   # responses whose ratio (per token, sequence product, or geometric mean) leaves [threshold_lower, threshold].
   # Both "" = off: the clipped ratio is taken against the behaviour log-probs themselves.
   rollout_is: Literal["", "token", "sequence"] = ""
-  rollout_is_threshold: float = bounded(2.0, gt=0)
+  rollout_is_threshold: float = bounded(2.0, gt=0)  # rollout_is: the weights' cap
+  # rejection sampling: mask tokens or responses whose ratio leaves the thresholds; "" = off
   rollout_rs: Literal["", "token", "sequence", "geometric"] = ""
-  rollout_rs_threshold: float = bounded(2.0, gt=0)
-  rollout_rs_threshold_lower: float = bounded(0.5, gt=0)
+  rollout_rs_threshold: float = bounded(2.0, gt=0)  # rollout_rs: upper bound of the ratio
+  rollout_rs_threshold_lower: float = bounded(0.5, gt=0)  # rollout_rs: lower bound of the ratio
   # Asynchronous GRPO/PPO: step t trains on rollouts sampled by the policy of k updates before (version t-1-k), so
   # the rollouts of steps t+1..t+k are generated while step t updates. Exactly k (not "up to k"), so a run is the
   # same however the threads interleave and resumes bitwise (the in-flight rollouts are checkpointed). The stored
@@ -95,7 +97,7 @@ class GrpoSection:
   # turn by turn (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of
   # reward.weights; "" = one turn, scored by the whole reward section.
   env: str = ""
-  env_max_turns: int = bounded(4, gt=0)
+  env_max_turns: int = bounded(4, gt=0)   # turns per episode before it is cut
   # How the model writes tool calls: hermes (Qwen), llama3 (JSON), mistral ([TOOL_CALLS]), compact (<<argument>>,
   # one tool with one argument: for small models and short contexts)
   env_tool_format: Literal["hermes", "llama3", "mistral", "compact"] = "hermes"

@@ -144,9 +144,10 @@ class RewardSection:
                                           # (configs/rm.py's run_dir/ensemble)
   model_weight: float = bounded(1.0)      # its score's weight in the reward
   overlong_max_length: int = bounded(0, ge=0)  # DAPO overlong penalty; 0 = off
+  # DAPO overlong penalty: the last N tokens before max_new_tokens cost up to overlong_penalty
   overlong_buffer: int = bounded(0, ge=0)
   length_target: int = bounded(0, ge=0)   # linear length penalty; 0 = off
-  length_weight: float = bounded(0.0)
+  length_weight: float = bounded(0.0)     # reward per response token (negative: shorter answers); 0 = off
 
   def spec(self) -> RewardSpec:
     return RewardSpec(weights=tuple((str(n), float(x)) for n, x in self.weights),

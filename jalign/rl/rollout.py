@@ -20,13 +20,14 @@ from jalign.tokenizer import Tokenizer
 @dataclasses.dataclass(frozen=True)
 class SamplingSection:
   """How completions are sampled (the run config's `sampling` section)."""
-  max_new_tokens: int = bounded(32, gt=0)
+  max_new_tokens: int = bounded(32, gt=0)  # tokens sampled per completion (per turn in episodes)
   temperature: float = bounded(1.0, ge=0)  # 0 = greedy
   top_k: int = bounded(0, ge=0)           # 0 = off
+  # nucleus sampling: the smallest set of tokens holding this probability; 1 = off
   top_p: float = bounded(1.0, gt=0, le=1)
-  min_p: float = bounded(0.0, ge=0, lt=1)
+  min_p: float = bounded(0.0, ge=0, lt=1)  # drop tokens below min_p x the most likely one's probability; 0 = off
   num_samples: int = bounded(4, gt=0)     # completions per prompt (a GRPO group)
-  max_prompt_length: int = bounded(64, gt=0)
+  max_prompt_length: int = bounded(64, gt=0)  # prompt tokens kept (longer prompts are an error before the first step)
   layout: Literal["training", "no_fsdp"] = "training"  # weight layout while generating (see models.without_fsdp)
   # Continuous batching: cache slots kept full as requests finish (a group at a time, so >= num_samples); 0 = one
   # slot per completion of the batch (all in flight at once). KV memory: slots x (prompt bucket + max_new_tokens).
