@@ -35,6 +35,7 @@ def _config(task: str, chips: int, tokens: int, mesh: tuple[int, int, int]):
     c["grpo"].update(prompts_per_step=max(1, rows // 8), mini_batches=max(1, 8 // rows), compact_sizes=0)
   else:
     c["train"].update(batch_size=rows, seq_len=tokens, micro_batches=1)
+    c["data"]["max_length"] = tokens  # the fit check's batch holds examples as long as the run takes them
   return validate(c, chips)
 
 

@@ -30,3 +30,34 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 def pytest_unconfigure(config):
   if _OWN_CACHE is not None and not hasattr(config, "workerinput"):
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# Test tiers. A test's markers follow from what it does, read from its source, so a new test lands in its tier by
+# itself: `realdata` needs ../shared/realdata, `aot` compiles for TPU topologies or Llama-sized shapes, `e2e` runs a
+# whole job (the command line, a task run to the end, a recipe). `long` is set by hand on the full reproductions.
+# The fast developer tier is `-m "not e2e and not realdata and not aot and not long"`.
+_TIERS = {
+    "realdata": ("realdata", "smollm2", "REALDATA"),
+    "aot": ("topology", "tpu_target", "fit.report", "jalign.fit", "llama3-8b", "llama3_8b"),
+    "e2e": ("run_as_user", "jalign.run", "tasks.run(", "_run(tmp_path", "faulty_run", "loop.run(", ".run(cfg",
+            "run_recipe", "run_job", "subprocess.run("),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  import inspect
+  import pytest
+  sources = {}
+  for item in items:
+    fn = getattr(item, "function", None)
+    if fn is None:
+      continue
+    if fn not in sources:
+      try:
+        sources[fn] = inspect.getsource(fn)
+      except (OSError, TypeError):
+        sources[fn] = ""
+    text = sources[fn] + " ".join(getattr(item, "fixturenames", ()))
+    for marker, needles in _TIERS.items():
+      if any(n in text for n in needles):
+        item.add_marker(getattr(pytest.mark, marker))

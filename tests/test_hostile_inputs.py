@@ -19,7 +19,7 @@ import safetensors.numpy
 import jalign
 from jalign.config import validate
 from jalign.errors import UserError
-from jalign.run import TASKS
+from jalign import tasks
 from tests.configs_util import ROOT, config_dict
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
@@ -206,11 +206,11 @@ def test_hostile_input(tmp_path, name, config, build, expected):
   with deadline(240):
     if name.startswith("skip"):
       cfg = validate(values, jax.device_count())
-      assert TASKS[cfg.task](cfg)[expected] >= 1
+      assert tasks.run(cfg)[expected] >= 1
       return
     with pytest.raises(Exception) as info:
       cfg = validate(values, jax.device_count())
-      TASKS[cfg.task](cfg)
+      tasks.run(cfg)
   error = info.value
   # A user's error, which `python -m jalign.run` ends with its message and exit status 2 (see the black-box test).
   assert isinstance(error, UserError), f"{type(error).__name__}: {error}"

@@ -6,26 +6,28 @@ import os
 import jalign
 
 PACKAGE = os.path.dirname(jalign.__file__)
-# Lowest first. A module may import modules of its own layer's package and of lower layers.
+# Lowest first, each with what it holds: README.md's layout is this table (test_readme_layout_is_this_table). A module
+# may import modules of its own layer's package and of lower layers.
 LAYERS = [
-    ("errors", "files"),
-    ("sections",),
-    ("kernels", "spm"),
-    ("models", "gguf_tokenizer"),
-    ("tokenizer",),
-    ("parallel",),
-    ("sampling",),
-    ("losses",),
-    ("objectives",),
-    ("data",),
-    ("rl",),
-    ("eval",),
-    ("config",),
-    ("train",),
-    ("tasks",),
-    ("run", "fit"),
+    (("errors", "files"), "user-facing errors; atomic file writes"),
+    (("sections",), "config sections: dataclasses built from ConfigDicts, every key, type and bound checked"),
+    (("kernels", "spm"), "attention, decode attention, log-probs / entropy / KL (xla, chunked, Pallas); SentencePiece"),
+    (("models", "gguf_tokenizer"), "the NNX decoder, HF and GGUF in/out, sharding rules, LoRA; GGUF tokenizers"),
+    (("tokenizer",), "tokenizer.json and chat templates (sandboxed jinja2)"),
+    (("parallel",), "meshes, batch and optimizer shardings, multi-process start-up, TPU compile targets"),
+    (("sampling",), "generate and the continuous-batching engine"),
+    (("losses",), "advantages, policy-gradient losses and aggregation (verl), the DPO family"),
+    (("objectives",), "loss functions per objective (sft, reward, dpo, grpo, ppo's critic)"),
+    (("data",), "sources, published layouts, SFT / preference / prompt encoding, Grain pipelines, the demo task"),
+    (("rl",), "the learner's experience (rollout stage, log-prob plan, groups, replay buffer, rewards, monitors) "
+              "and multi-turn episodes (tools, sandbox, environments, traces)"),
+    (("eval",), "held-out evaluation of a checkpoint, rank correlations, report.md"),
+    (("config",), "RunConfig and the checks across sections"),
+    (("train",), "the engine: the Task hooks, the loop, step, optimizer, checkpoints, metrics, preemption, locks"),
+    (("tasks",), "one module per task (sft, rm, dpo/kto, grpo/ppo, rollout, eval) and the chain; one registry"),
+    (("run", "fit"), "the command line; the ahead-of-time fit check"),
 ]
-RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+RANK = {name: i for i, (layer, _) in enumerate(LAYERS) for name in layer}
 
 
 def _modules() -> dict[str, set[str]]:
@@ -80,3 +82,15 @@ def test_no_import_cycles():
     if m not in state:
       visit(m, [m])
   assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def layout_block() -> str:
+  """The layer table as README.md shows it, lowest first."""
+  rows = ["| layer | holds |", "| --- | --- |"]
+  rows += [f"| {', '.join(f'`{n}`' for n in names)} | {about} |" for names, about in LAYERS]
+  return "\n".join(rows)
+
+
+def test_readme_layout_is_this_table():
+  readme = open(os.path.join(os.path.dirname(PACKAGE), "README.md"), encoding="utf-8").read()
+  assert layout_block() in readme, "README.md's layout differs from tests/test_layers.py's LAYERS:\n" + layout_block()
