@@ -20,9 +20,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jalign  # noqa: E402
-from jalign import tokenizer as tokenizer_lib  # noqa: E402
 from jalign.data import pipeline, sft  # noqa: E402
 from jalign.data.sources import open_source  # noqa: E402
+from jalign.tokenizers import tokenizer as tokenizer_lib  # noqa: E402
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
 

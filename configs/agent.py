@@ -8,7 +8,7 @@ multiplication (synthetic:mul), is far past what the policy computes: the tools 
 Held-out accuracy is measured greedily, with tools (whole episodes: eval/accuracy) and without (one answer to the
 same prompts: eval/accuracy_no_tools), before GRPO (eval/*_initial: the warm-started policy) and after; the base
 policy, without tools, is evaluated first (run_dir/0_base). The traces are jalign/assets/agent_traces/train.jsonl
-(`python -m jalign.rl.traces`, see that module): 1,024 tool-use episodes and 256 plain answers. The calls are in the
+(`python -m jalign.rl.agentic.traces`, see that module): 1,024 tool-use episodes and 256 plain answers. The calls are in the
 compact format (`<<1234*5678>>`): the policy's 128-token context has no room for JSON tool schemas.
 Measured (benchmarks/README.md): 0.0% without tools throughout; with the calculator 22.8% after SFT -> 33.2% after
 GRPO.

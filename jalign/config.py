@@ -1,7 +1,7 @@
 """The run configuration: every section, assembled as `RunConfig`, validated from an `ml_collections.ConfigDict`.
 
 Each section is a frozen dataclass declared beside the code that reads it, its bounds on its fields
-(`jalign.sections`); this module holds the loop's own sections (train, optim, checkpoint, log) and the checks that
+(`jalign.core.sections`); this module holds the loop's own sections (train, optim, checkpoint, log) and the checks that
 span sections: the mesh against the batch and the machine, and each task's needs. Jitted code only ever sees these
 dataclasses.
 """
@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 import ml_collections
 
-from jalign import sections
+from jalign.core import sections
+from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
 from jalign.data.pipeline import DataSection
-from jalign.errors import ConfigError
 from jalign.eval.policy import EvalSection
 from jalign.kernels.logprobs import LogprobOptions
 from jalign.models.config import ModelSection
@@ -23,11 +24,10 @@ from jalign.objectives.dpo import DpoSection
 from jalign.objectives.reward import RewardModelSection
 from jalign.parallel.distributed import DistributedSection, say
 from jalign.parallel.shardings import MeshSection
+from jalign.rewards.verifiable import RewardSection
 from jalign.rl.buffer import RolloutSection
 from jalign.rl.config import GrpoSection
-from jalign.rl.rewards import RewardSection
 from jalign.rl.rollout import SamplingSection
-from jalign.sections import bounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError("config.model: set model.path (an HF checkpoint) or model.arch (a from-scratch architecture)")
   if not (cfg.tokenizer or cfg.model.path):
     raise ConfigError("config.tokenizer: empty and model.path is empty; name the tokenizer directory")
-  from jalign.objectives.reward import is_ensemble
+  from jalign.rewards.ensemble import is_ensemble
   if cfg.model.path and is_ensemble(cfg.model.path):
     raise ConfigError(f"config.model.path={cfg.model.path!r} is a reward-model ensemble (several checkpoints); use "
                       "one of its numbered member directories, or pass the ensemble as reward.model")

@@ -53,13 +53,10 @@ def report(cfg, arch: str = "", target=None) -> dict:
   import jax.numpy as jnp
   from flax import nnx
 
-  from jalign import models, parallel
+  from jalign import models, parallel, tasks
   from jalign.models import lora
   from jalign.models.config import ModelConfig, RopeConfig, load_hf_config
-  from jalign.train.step import TrainState
-
-  from jalign import tasks
-  from jalign.train.step import Trainable
+  from jalign.train.step import Trainable, TrainState
 
   m = cfg.model
   if arch:
@@ -79,7 +76,7 @@ def report(cfg, arch: str = "", target=None) -> dict:
     if m.lora.rank:
       lora.add_adapters(lm, m.lora)
     if cfg.task == "rm":
-      from jalign.objectives.reward import RewardModel
+      from jalign.models.reward_model import RewardModel
       from jalign.tasks.rm import score_head
       return RewardModel(lm, score_head(cfg, model_cfg.hidden_size))
     return lm

@@ -25,8 +25,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jalign.config import RunConfig, check_paths, validate
-from jalign.sections import listing, to_dataclass
-from jalign.errors import ConfigError, UserError
+from jalign.core.errors import ConfigError, UserError
+from jalign.core.sections import listing, to_dataclass
 from jalign.parallel import distributed
 from jalign.parallel.distributed import DistributedSection
 
@@ -132,11 +132,11 @@ def _main(argv):
   if _LIST_KEYS.value:
     _list_keys(_CONFIG.value, is_pipeline)
     return
-  from jalign.train.loop import NonFiniteError
-  from jalign.train import preemption, rundir
-  from jalign.train.preemption import Preempted
   from jalign import tasks
   from jalign.tasks import chain
+  from jalign.train import preemption, rundir
+  from jalign.train.loop import NonFiniteError
+  from jalign.train.preemption import Preempted
   try:  # the multi-process runtime first: the device count below is the global one
     section = to_dataclass(DistributedSection, _CONFIG.value.get("distributed", {}), "config.distributed")
     distributed.initialize(section)

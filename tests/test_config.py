@@ -4,7 +4,7 @@ import os
 import pytest
 
 from jalign.config import validate
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 from tests.configs_util import ROOT, config_dict, run_config
 
 
@@ -65,7 +65,7 @@ def test_defaults_hold_every_key_with_its_default():
   import dataclasses
 
   from jalign.config import RunConfig, defaults
-  from jalign.sections import to_dataclass
+  from jalign.core.sections import to_dataclass
   d = defaults()
   assert to_dataclass(RunConfig, d) == RunConfig()
 
@@ -114,9 +114,10 @@ def _violation(bounds):
 
 
 def test_every_declared_bound_is_enforced_with_its_key():
-  """Each field that declares bounds (`jalign.sections.bounded`) rejects a value just outside them, and NaN where it
+  """Each field that declares bounds (`jalign.core.sections.bounded`) rejects a value just outside them, and NaN where it
   is a number, with an error that names its dotted key."""
   import math
+
   from jalign.config import RunConfig
   fields = list(_bounded_fields(RunConfig))
   assert len(fields) >= 40, len(fields)

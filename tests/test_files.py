@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jalign import files
+from jalign.core import files
 
 
 def test_write_replaces_whole_and_failure_keeps_the_old(tmp_path):

@@ -17,9 +17,9 @@ import pytest
 import safetensors.numpy
 
 import jalign
-from jalign.config import validate
-from jalign.errors import UserError
 from jalign import tasks
+from jalign.config import validate
+from jalign.core.errors import UserError
 from tests.configs_util import ROOT, config_dict
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")

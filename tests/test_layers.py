@@ -9,18 +9,19 @@ PACKAGE = os.path.dirname(jalign.__file__)
 # Lowest first, each with what it holds: README.md's layout is this table (test_readme_layout_is_this_table). A module
 # may import modules of its own layer's package and of lower layers.
 LAYERS = [
-    (("errors", "files"), "user-facing errors; atomic file writes"),
-    (("sections",), "config sections: dataclasses built from ConfigDicts, every key, type and bound checked"),
-    (("kernels", "spm"), "attention, decode attention, log-probs / entropy / KL (xla, chunked, Pallas); SentencePiece"),
-    (("models", "gguf_tokenizer"), "the NNX decoder, HF and GGUF in/out, sharding rules, LoRA; GGUF tokenizers"),
-    (("tokenizer",), "tokenizer.json and chat templates (sandboxed jinja2)"),
+    (("core",), "user-facing errors; atomic file writes; config sections (dataclasses built from ConfigDicts, every "
+                "key, type and bound checked); the GGUF file reader"),
+    (("kernels", "tokenizers"), "attention, decode attention, log-probs / entropy / KL (xla, chunked, Pallas); "
+                                "tokenizer.json and chat templates (sandboxed jinja2), SentencePiece and GGUF vocabularies"),
+    (("models",), "the NNX decoder, reward models, HF and GGUF in/out, sharding rules, LoRA"),
     (("parallel",), "meshes, batch and optimizer shardings, multi-process start-up, TPU compile targets"),
     (("sampling",), "generate and the continuous-batching engine"),
     (("losses",), "advantages, policy-gradient losses and aggregation (verl), the DPO family"),
     (("objectives",), "loss functions per objective (sft, reward, dpo, grpo, ppo's critic)"),
     (("data",), "sources, published layouts, SFT / preference / prompt encoding, Grain pipelines, the demo task"),
-    (("rl",), "the learner's experience (rollout stage, log-prob plan, groups, replay buffer, rewards, monitors) "
-              "and multi-turn episodes (tools, sandbox, environments, traces)"),
+    (("rewards",), "verifiable rewards, rewards from reward models, reward-model ensembles on disk"),
+    (("rl",), "the learner's experience (rollout stage, log-prob plan, groups, replay buffer, monitors); agentic/: "
+              "multi-turn episodes (environments, agent, tools, sandbox, traces)"),
     (("eval",), "held-out evaluation of a checkpoint, rank correlations, report.md"),
     (("config",), "RunConfig and the checks across sections"),
     (("train",), "the engine: the Task hooks, the loop, step, optimizer, checkpoints, metrics, preemption, locks"),

@@ -14,9 +14,11 @@ SHIPPED = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
 def test_shipped_policy_loads_and_solves_some_but_not_all():
   from flax import nnx
 
-  from jalign import models, tokenizer
-  from jalign.data import sft as sft_data, synthetic
+  from jalign import models
+  from jalign.data import sft as sft_data
+  from jalign.data import synthetic
   from jalign.objectives import sft
+  from jalign.tokenizers import tokenizer
 
   lm = models.from_pretrained(SHIPPED)
   tok = tokenizer.load(SHIPPED)

@@ -5,9 +5,10 @@ from collections.abc import Mapping
 
 import pytest
 import transformers
-from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as tk_models
 
-from jalign import tokenizer as jtok
+from jalign.tokenizers import tokenizer as jtok
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>"]
@@ -183,7 +184,7 @@ def test_bad_tokenizer_files(tmp_path, hf_tokenizer_dirs):
     jtok.load(str(tmp_path))
 
 
-# SentencePiece models (jalign.spm) against the sentencepiece library itself -----------------------------------------
+# SentencePiece models (jalign.tokenizers.spm) against the sentencepiece library itself -----------------------------------------
 
 SPM_MODELS = ["tokenizers/llama2/tokenizer.model", "tokenizers/mistral/tokenizer.model.v1",
               "tokenizers/mistral/mistral_instruct_tokenizer_240216.model.v2",
@@ -195,6 +196,7 @@ ODD_TEXTS = ["", " ", "  two  spaces ", "trailing\n\n", "tabs\t\tand\r\nreturns"
 
 def _real_texts():
   import gzip
+
   from tests import realdata
   with open(realdata.path("gsm8k/train.jsonl")) as f:
     gsm8k = [json.loads(line) for line, _ in zip(f, range(200))]
@@ -225,7 +227,8 @@ def test_trained_sentencepiece_models_equal_the_library(model_type):
   import io
   sentencepiece = pytest.importorskip("sentencepiece")
   from sentencepiece import sentencepiece_model_pb2
-  from jalign import spm
+
+  from jalign.tokenizers import spm
   corpus = [f"Item {i}: {w} costs ${i * 3}.{i % 10}0, twice as much as {w}s did ({i}%)." for i in range(300)
             for w in ("apple", "pear", "Ünïcödé")]
   for extra in ({}, dict(byte_fallback=True, split_digits=True)):

@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from jalign import files
+from jalign.core import files
 from jalign.data import synthetic
 from jalign.data.answers import extract_gsm8k, parse_number
 
@@ -128,8 +128,8 @@ def _sample_policy(base: list[dict], policy_dir: str, *, samples: int, seed: int
   import jax
 
   from jalign import models, sampling
-  from jalign import tokenizer as tokenizer_lib
   from jalign.data.prompts import encode_prompt, left_pad
+  from jalign.tokenizers import tokenizer as tokenizer_lib
 
   lm = models.from_pretrained(policy_dir)
   tok = tokenizer_lib.load(policy_dir)

@@ -24,9 +24,8 @@ import dataclasses
 import re
 from typing import Callable
 
-from jalign.errors import DataError
+from jalign.core.errors import DataError
 from jalign.data.answers import extract_boxed, extract_gsm8k
-
 
 
 def gsm8k_answer(solution: str) -> str | None:

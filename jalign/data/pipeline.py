@@ -7,17 +7,16 @@ padding), so a failing step can name its records (`records_of`); the loop strips
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import grain
 import numpy as np
 
+from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
 from jalign.data.layouts import Fields
 from jalign.data.sft import TooLong
 from jalign.data.sources import DataError
-from jalign.errors import ConfigError
-from jalign.sections import bounded
 
 
 @dataclasses.dataclass

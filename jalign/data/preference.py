@@ -24,10 +24,16 @@ import numpy as np
 
 from jalign.data.layouts import split_shared_prompt
 from jalign.data.scan import Tally, scan
-from jalign.data.sft import TooLong, _check_messages, _check_text, _template_spans, _tokens_with_mask
+from jalign.data.sft import (
+  TooLong,
+  _check_messages,
+  _check_text,
+  _template_spans,
+  _tokens_with_mask,
+)
 from jalign.data.sources import DataError
 from jalign.sampling import prompt_bucket
-from jalign.tokenizer import ChatTemplateError, Tokenizer
+from jalign.tokenizers.tokenizer import ChatTemplateError, Tokenizer
 
 OPTIONAL_FLOATS = ("margin", "chosen_score", "rejected_score", "ref_chosen_logps", "ref_rejected_logps")
 STYLES = ("plain", "conversational")

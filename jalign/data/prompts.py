@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 
 from jalign import sampling
+from jalign.core.errors import DataError
 from jalign.data.layouts import NAMES
 from jalign.data.scan import Tally, scan
 from jalign.data.sft import TooLong
-from jalign.errors import DataError
-from jalign.tokenizer import Tokenizer
+from jalign.tokenizers.tokenizer import Tokenizer
 
 
 class PromptError(DataError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from jalign.data.sources import DataError
-from jalign.tokenizer import ChatTemplateError, Tokenizer
+from jalign.tokenizers.tokenizer import ChatTemplateError, Tokenizer
 
 TRUNCATION = ("keep_start", "keep_end", "drop")
 

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jalign.core.errors import DataError
 from jalign.data import synthetic
 from jalign.data.layouts import Fields, MappedSource
-from jalign.errors import DataError
 
 
 def _read_bytes(path: str) -> bytes:

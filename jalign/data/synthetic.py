@@ -2,7 +2,7 @@
 (`mul`, the tool-use task: see `mul_records`).
 
 Prompts look like "What is 37 + 48?"; the assistant answers "#### 85" (the GSM8K answer convention, so the
-"gsm8k" reward of `jalign.rl.rewards` scores it). Half the problems have a one-digit second operand (easy), half two
+"gsm8k" reward of `jalign.rewards.verifiable` scores it). Half the problems have a one-digit second operand (easy), half two
 digits (hard, carries and borrows), so a tiny model trained briefly gets some but not all held-out prompts right.
 Operand triples are split deterministically between train and test: held-out accuracy measures generalisation, not
 recall.
@@ -17,8 +17,7 @@ import zlib
 
 import numpy as np
 
-from jalign.errors import DataError
-
+from jalign.core.errors import DataError
 
 OPS = ("+", "-")
 MAX_OPERAND = 100

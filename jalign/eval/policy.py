@@ -19,19 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jalign import models, tokenizer as tokenizer_lib
-from jalign.data import preference, sft as sft_data
+from jalign import models
+from jalign.core.errors import ConfigError, UserError
+from jalign.core.sections import bounded
+from jalign.data import preference
+from jalign.data import sft as sft_data
 from jalign.data.layouts import Fields
+from jalign.data.prompts import Prompt, encode_prompt
 from jalign.data.sources import DataError, open_source
-from jalign.errors import ConfigError, UserError
-from jalign.parallel.distributed import say
 from jalign.eval import ranking
 from jalign.models.sharding import to_host
-from jalign.objectives import grpo as grpo_objective, sft as sft_objective
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY, Batch
-from jalign.data.prompts import Prompt, encode_prompt
-from jalign.sections import bounded
+from jalign.objectives import grpo as grpo_objective
+from jalign.objectives import sft as sft_objective
+from jalign.parallel.distributed import say
+from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH, REGISTRY, Batch
 from jalign.rl.rollout import Samples, SamplingSection, concat, model_rows, sample
+from jalign.tokenizers import tokenizer as tokenizer_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,7 @@ class EvalSection:
   """Held-out evaluation of a checkpoint (jalign.eval.policy)."""
   prompts: str = "synthetic:arith:test"   # held-out prompts with ground truth (any prompt source jalign reads)
   examples: int = bounded(256, gt=0)      # prompts evaluated (the first ones)
-  metric: str = "gsm8k"                   # the verifier: a verifiable reward of jalign.rl.rewards
+  metric: str = "gsm8k"                   # the verifier: a verifiable reward of jalign.rewards.verifiable
   max_new_tokens: int = bounded(16, gt=0)  # tokens generated per prompt
   num_samples: int = bounded(0, ge=0)     # n samples per prompt for pass@k; 0 = greedy only
   pass_k: tuple[int, ...] = (1,)          # k values for pass@k (each <= num_samples)
@@ -125,7 +128,7 @@ def sequence_logprobs(lm, r: Samples, pad_id: int, temperature: float, batch_siz
 
 
 def reward_scores(rm_path: str, r: Samples, pad_id: int) -> np.ndarray:
-  from jalign.rl.model_reward import ModelReward
+  from jalign.rewards.learned import ModelReward
   rm = ModelReward(rm_path, 1.0, None)
   ids, mask = r.prompt_arrays(pad_id)
   return np.concatenate([rm(ids[s:s + 128], mask[s:s + 128], r.tokens[s:s + 128], r.lengths[s:s + 128])
@@ -171,7 +174,8 @@ def pair_metrics(rm_path: str, tok, spec: str, *, max_length: int, batch_size: i
                  fields: Fields = Fields()) -> dict:
   """A reward model's (or ensemble's: weighted sum of its members' scores) pairwise accuracy (chosen scored above
   rejected) and, with gold scores, Spearman / Kendall, over the first `limit` pairs of `spec` (0 = all)."""
-  from jalign.objectives.reward import load_scorers, pair_scores
+  from jalign.objectives.reward import pair_scores
+  from jalign.rewards.ensemble import load_scorers
   examples = _encoded(spec, functools.partial(preference.encode, tok=tok, max_length=max_length), fields)
   examples = examples[:limit] if limit else examples
   batches = []

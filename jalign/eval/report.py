@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from jalign import files
+from jalign.core import files
 
 # metric name in metrics.jsonl -> label; the first present of each group is plotted
 CURVES = (

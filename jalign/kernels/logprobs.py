@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jalign.core.sections import bounded
 from jalign.kernels.chunked import chunk_columns, token_logprobs_chunked
 from jalign.kernels.pallas import TPU_SCOPED_VMEM, token_logprobs_pallas, tpu_vmem_bytes
 from jalign.kernels.target import row_axes, target_platform
-from jalign.sections import bounded
 
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "auto")
 AUTO_XLA_VOCAB = 4096            # `auto` keeps the plain logits up to this vocabulary

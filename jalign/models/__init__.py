@@ -1,12 +1,24 @@
 """Decoder LM (Flax NNX), scalar heads, and Hugging Face checkpoints in and out."""
-from jalign.errors import CheckpointError, ConfigError
+from jalign.core.errors import CheckpointError, ConfigError
 from jalign.models.config import ModelConfig, RopeConfig, from_hf_config, to_hf_config
 from jalign.models.decoder import Decoder, KVCache, create
 from jalign.models.heads import ScalarHead
-from jalign.models.hf import (architectures, from_pretrained, is_sequence_classifier, load_sequence_classifier,
-                              save_pretrained)
-from jalign.models.sharding import (DEFAULT_RULES, logical_axes, logical_to_spec, make_mesh, named_sharding,
-                                    state_shardings, without_fsdp)
+from jalign.models.hf import (
+                              architectures,
+                              from_pretrained,
+                              is_sequence_classifier,
+                              load_sequence_classifier,
+                              save_pretrained,
+)
+from jalign.models.sharding import (
+                              DEFAULT_RULES,
+                              logical_axes,
+                              logical_to_spec,
+                              make_mesh,
+                              named_sharding,
+                              state_shardings,
+                              without_fsdp,
+)
 
 __all__ = ["CheckpointError", "ConfigError", "DEFAULT_RULES", "Decoder", "KVCache", "ModelConfig", "RopeConfig",
            "ScalarHead", "architectures", "create", "from_hf_config", "from_pretrained", "is_sequence_classifier",

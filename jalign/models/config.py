@@ -9,12 +9,11 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from jalign.errors import CheckpointError, ConfigError
+from jalign.core.errors import CheckpointError, ConfigError
 from jalign.kernels.attn import IMPLS as ATTENTION_IMPLS
 from jalign.models.lora import LoraConfig
 

@@ -12,7 +12,8 @@ import re
 
 import numpy as np
 
-from jalign.errors import CheckpointError
+from jalign.core import gguf_reader
+from jalign.core.errors import CheckpointError
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}   # GGUF general.architecture -> model_type
 _PERMUTED = {"llama"}   # q/k rows interleaved for llama.cpp's RoPE
@@ -59,17 +60,10 @@ class GgufFile:
   layout), the interface `hf.from_pretrained` reads checkpoints through."""
 
   def __init__(self, path: str):
-    try:
-      import gguf
-    except ImportError:
-      raise CheckpointError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)") from None
     self.path = path
-    try:
-      self._reader = gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError / struct errors / OSError for a bad file
-      raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-    self._dequantize = gguf.quants.dequantize
-    meta = {k: f.contents() for k, f in self._reader.fields.items()}
+    self._reader, meta = gguf_reader.read(path, CheckpointError)
+    from gguf.quants import dequantize  # importable: read() has imported gguf
+    self._dequantize = dequantize
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
       raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 from jalign.models.sharding import AXES
 
 

@@ -19,14 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jalign import files
-from jalign.errors import CheckpointError, ConfigError
-from jalign.models import lora
+from jalign.core import files
+from jalign.core.errors import CheckpointError, ConfigError
+from jalign.models import lora, sharding
 from jalign.models import safetensors_io as st
-from jalign.models.config import ModelConfig, from_hf_config, load_hf_config, to_hf_config
-from jalign.models.gguf_io import GgufFile
+from jalign.models.config import (
+  ModelConfig,
+  from_hf_config,
+  load_hf_config,
+  to_hf_config,
+)
 from jalign.models.decoder import Decoder
-from jalign.models import sharding
+from jalign.models.gguf_io import GgufFile
 from jalign.models.sharding import DEFAULT_RULES, state_shardings
 
 INDEX = "model.safetensors.index.json"
@@ -266,7 +270,9 @@ def _check_tokenizer_vocab(path: str, cfg: ModelConfig) -> None:
   file = os.path.join(path, "tokenizer.json")
   if not os.path.exists(file):
     return
-  from tokenizers import Tokenizer  # local: only needed when a tokenizer ships with the checkpoint
+  from tokenizers import (
+    Tokenizer,  # local: only needed when a tokenizer ships with the checkpoint
+  )
   n = Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True)
   if n > cfg.vocab_size:
     raise CheckpointError(f"{file}: the tokenizer has {n} tokens but config.json vocab_size is {cfg.vocab_size}; "

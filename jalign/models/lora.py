@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 from jalign.models.sharding import AXES
 
 # jalign projection -> (its Hugging Face module name, number of leading input dims of the weight after `layers`)

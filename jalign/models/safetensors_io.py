@@ -13,8 +13,8 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
-from jalign import files
-from jalign.errors import CheckpointError
+from jalign.core import files
+from jalign.core.errors import CheckpointError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}

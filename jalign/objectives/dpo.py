@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jalign import kernels
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
 from jalign.losses import dpo as dpo_losses
 from jalign.objectives.sft import targets_and_weights
-from jalign.sections import bounded
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from jalign.losses import policy
 from jalign.models import lora
 from jalign.models.decoder import Decoder
 from jalign.models.heads import ScalarHead
-from jalign.objectives.reward import RewardModel
+from jalign.models.reward_model import RewardModel
 
 
 def make_critic(policy_lm: Decoder, *, seed: int = 0) -> RewardModel:

@@ -1,115 +1,22 @@
-"""Bradley-Terry reward models: a decoder backbone plus a scalar head read at each sequence's last real token.
+"""The Bradley-Terry reward-model objective: a reward model (jalign/models/reward_model.py) scores each pair's chosen
+and rejected completions.
 
 Loss per pair (Ouyang et al. 2022, eq. 1; TRL's RewardTrainer): -log sigmoid(r_chosen - r_rejected - margin), plus
 `center_rewards_coefficient * (r_chosen + r_rejected)^2` (Eisenstein et al. 2023) to keep rewards centred on zero.
-
-An ensemble (`rm.members`) is a directory holding one HF sequence-classification checkpoint per member (`0/`,
-`1/`, ...) and `reward_ensemble.json` with each member's weight; its score is the weighted sum of theirs (several
-reward models combined into one reward, as Llama 2's separate helpfulness and safety models, Touvron et al. 2023,
-sec. 3.2.2). `load_scorers` reads either kind.
+An ensemble (`rm.members`) is written and read by jalign/rewards/ensemble.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import shutil
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jalign.errors import CheckpointError, ConfigError
-from jalign.models.decoder import Decoder
-from jalign.models.heads import ScalarHead
-from jalign.models.hf import load_sequence_classifier
-from jalign.sections import bounded
-
-
-def last_token_index(mask_BxT: jax.Array) -> jax.Array:
-  """Index of each row's last real token (right or left padding)."""
-  positions = jnp.arange(mask_BxT.shape[1])
-  return jnp.max(jnp.where(mask_BxT > 0, positions, -1), axis=1)
-
-
-class RewardModel(nnx.Module):
-  def __init__(self, backbone: Decoder, head: ScalarHead):
-    self.backbone = backbone
-    self.head = head
-
-  @classmethod
-  def from_classifier(cls, backbone: Decoder, score_D) -> "RewardModel":
-    """The model of an HF one-label classifier: its backbone and its linear `score` weight [D] (no bias)."""
-    head = ScalarHead(backbone.cfg.hidden_size, bias=False, rngs=nnx.Rngs(0))
-    head.w_out[...] = jnp.asarray(score_D, jnp.float32)[:, None]
-    return cls(backbone, head)
-
-  @property
-  def cfg(self):
-    return self.backbone.cfg
-
-  def score(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-            dropout_rng: jax.Array | None = None) -> jax.Array:
-    """Scores [B] of (right- or left-) padded sequences; `segment_ids` is 1 on real tokens, 0 on padding. Pure and
-    jittable: RL loops call it inside their own jitted scoring step."""
-    if positions_BxT is None:
-      positions_BxT = jnp.maximum(jnp.cumsum(segment_ids_BxT, axis=1) - 1, 0)
-    hidden, _ = self.backbone.forward(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT,
-                                      dropout_rng=dropout_rng)
-    last = last_token_index(segment_ids_BxT)
-    hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # the head on one token per row
-    return self.head(hidden_last)[:, 0]
-
-
-ENSEMBLE_FILE = "reward_ensemble.json"
-
-
-def is_ensemble(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, ENSEMBLE_FILE))
-
-
-def ensemble_members(path: str) -> list[tuple[str, float]]:
-  """[(member checkpoint directory, weight)] of the ensemble at `path`; malformed files get an error naming them."""
-  file = os.path.join(path, ENSEMBLE_FILE)
-  try:
-    members = json.load(open(file, encoding="utf-8"))["members"]
-    out = [(os.path.join(path, str(m["path"])), float(m["weight"])) for m in members]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise CheckpointError(f'{file}: expected {{"members": [{{"path": DIR, "weight": NUMBER}}, ...]}} ({e!r})') from None
-  if not out or not all(math.isfinite(w) for _, w in out):
-    raise CheckpointError(f"{file}: needs at least one member, each with a finite weight")
-  for d, _ in out:
-    if not os.path.isfile(os.path.join(d, "config.json")):
-      raise CheckpointError(f"{file}: member {d!r} is not an HF checkpoint directory (no config.json)")
-  return out
-
-
-def write_ensemble(out_dir: str, members: list[tuple[str, float]]) -> None:
-  """Copies each member's exported checkpoint into `out_dir`/<i> beside `reward_ensemble.json`. Built under a
-  temporary name and renamed, so an interrupted write leaves the previous ensemble (or none), never half of one."""
-  tmp = out_dir.rstrip("/") + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  for i, (src, _) in enumerate(members):
-    shutil.copytree(src, os.path.join(tmp, str(i)))
-  with open(os.path.join(tmp, ENSEMBLE_FILE), "w", encoding="utf-8") as f:
-    json.dump({"members": [{"path": str(i), "weight": w} for i, (_, w) in enumerate(members)]}, f, indent=1)
-  if os.path.exists(out_dir):
-    shutil.rmtree(out_dir)
-  os.replace(tmp, out_dir)
-
-
-def load_scorers(path: str, **kwargs) -> list[tuple[RewardModel, float]]:
-  """[(reward model, weight)]: the members of an ensemble directory, or one HF `*ForSequenceClassification`
-  checkpoint with weight 1. `kwargs` go to `models.load_sequence_classifier`."""
-  paths = ensemble_members(path) if is_ensemble(path) else [(path, 1.0)]
-  out = []
-  for p, w in paths:
-    backbone, score = load_sequence_classifier(p, **kwargs)
-    out.append((RewardModel.from_classifier(backbone, score), w))
-  return out
+from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
+from jalign.models.reward_model import RewardModel, last_token_index
 
 
 @dataclasses.dataclass(frozen=True)

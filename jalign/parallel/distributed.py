@@ -22,7 +22,7 @@ import os
 
 import jax
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,9 +11,9 @@ import os
 import re
 from typing import Literal
 
-from jalign import files
-from jalign.errors import ConfigError, DataError
-from jalign.sections import bounded
+from jalign.core import files
+from jalign.core.errors import ConfigError, DataError
+from jalign.core.sections import bounded
 
 FORMATS = ("parquet", "arrayrecord")
 _PART = re.compile(r"part-(\d{6})\.(parquet|arrayrecord)$")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
 from jalign.rl.rollout import SamplingSection
-from jalign.sections import bounded
 
 # Advantage estimators whose values for one group depend on that group's samples alone (no batch whitening, no
 # critic): leaving other groups out of the batch does not change them.
@@ -93,7 +93,7 @@ class GrpoSection:
   # across when a rollout is submitted. With async_staleness the update and the generation then run side by side
   # rather than interleaved on shared devices. () = sampling on the training mesh.
   rollout_mesh: tuple[int, ...] = ()
-  # Multi-turn: each sample is an episode of this environment (jalign.rl.env: "calculator", "python", "answer"),
+  # Multi-turn: each sample is an episode of this environment (jalign.rl.agentic.env: "calculator", "python", "answer"),
   # turn by turn (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of
   # reward.weights; "" = one turn, scored by the whole reward section.
   env: str = ""
@@ -168,7 +168,7 @@ class GrpoSection:
       raise ConfigError(f"config.grpo.max_gen_batches={g.max_gen_batches}: must be >= 1, and > 1 (refilling) only "
                         "with grpo.dynamic_sampling=True")
     if g.env:
-      from jalign.rl.env import REGISTRY as ENVIRONMENTS
+      from jalign.rl.agentic.env import REGISTRY as ENVIRONMENTS
       if g.env not in ENVIRONMENTS:
         raise ConfigError(f"config.grpo.env={g.env!r}: unknown environment; registered: "
                           f"{', '.join(sorted(ENVIRONMENTS))}")

@@ -8,8 +8,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from jalign.core.errors import DataError
 from jalign.data.prompts import Prompt
-from jalign.errors import DataError
 from jalign.rl import buffer as buffer_lib
 
 

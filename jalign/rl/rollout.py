@@ -9,12 +9,12 @@ from typing import Literal
 import numpy as np
 
 from jalign import sampling
+from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
 from jalign.data.prompts import Prompt, left_pad
-from jalign.errors import ConfigError
 from jalign.models.sharding import to_host, without_fsdp
-from jalign.rl.rewards import Batch, RewardSpec
-from jalign.sections import bounded
-from jalign.tokenizer import Tokenizer
+from jalign.rewards.verifiable import Batch, RewardSpec
+from jalign.tokenizers.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def concat(parts: list[Samples]) -> Samples:
 def score(samples: Samples, rewards: RewardSpec, *, pad_id: int,
           model_reward=None) -> tuple[np.ndarray, np.ndarray | None]:
   """Rewards [N] and the reward model's (unweighted) share of them (None without one). `model_reward`: a
-  `jalign.rl.model_reward.ModelReward`, added with its weight."""
+  `jalign.rewards.learned.ModelReward`, added with its weight."""
   owners = samples.owners()
   scores, _ = rewards(Batch(samples.texts, [p.ground_truth for p in owners], samples.lengths,
                             [p.where for p in owners]))

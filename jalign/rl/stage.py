@@ -9,16 +9,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jalign import sampling
-from jalign.data.prompts import Prompt, check_prompts, encode_prompt, ground_truth_of, left_pad
+from jalign.core.errors import ConfigError
+from jalign.data.prompts import (
+  Prompt,
+  check_prompts,
+  encode_prompt,
+  ground_truth_of,
+  left_pad,
+)
 from jalign.data.sources import open_source
-from jalign.losses import advantages as adv_lib, policy as policy_lib
+from jalign.losses import advantages as adv_lib
+from jalign.losses import policy as policy_lib
 from jalign.models.sharding import to_host
 from jalign.parallel.distributed import say
-from jalign.errors import ConfigError
-from jalign.rl import agent, env as env_lib, rollout
+from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH, RewardSpec
+from jalign.rl import rollout
+from jalign.rl.agentic import agent
+from jalign.rl.agentic import env as env_lib
 from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups, OfflineBuffer
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, RewardSpec
 from jalign.rl.rollout import SamplingSection
 
 

@@ -15,15 +15,16 @@ import json
 import os
 from typing import Any
 
-from jalign import files
-from jalign.config import validate
-from jalign.errors import ConfigError
-from jalign.eval.policy import EvalSection
-from jalign.sections import to_dataclass
-from jalign.eval import policy as policy_eval, report
-from jalign.objectives.reward import is_ensemble
-from jalign.parallel.distributed import is_main, say
 from jalign import tasks
+from jalign.config import validate
+from jalign.core import files
+from jalign.core.errors import ConfigError
+from jalign.core.sections import to_dataclass
+from jalign.eval import policy as policy_eval
+from jalign.eval import report
+from jalign.eval.policy import EvalSection
+from jalign.parallel.distributed import is_main, say
+from jalign.rewards.ensemble import is_ensemble
 from jalign.tasks import rm
 
 KEYS = ("task", "run_dir", "base_model", "order", "rm_weight", "stages", "eval", "distributed")
@@ -119,5 +120,5 @@ def run(values, num_devices: int) -> dict:
 
 
 def _tokenizer(path: str):
-  from jalign import tokenizer
+  from jalign.tokenizers import tokenizer
   return tokenizer.load(path)

@@ -17,21 +17,21 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jalign import files
 from jalign import parallel
-from jalign.parallel import distributed
-from jalign.parallel.distributed import say
 from jalign.config import RunConfig
-from jalign.losses.dpo import REFERENCE_FREE
+from jalign.core import files
 from jalign.data import preference
+from jalign.data.prompts import encode_prompt
 from jalign.data.sources import DataError, JsonlSource, open_source
 from jalign.eval.policy import accuracy
+from jalign.losses.dpo import REFERENCE_FREE
 from jalign.objectives import dpo as objective
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH
-from jalign.data.prompts import encode_prompt
+from jalign.parallel import distributed
+from jalign.parallel.distributed import say
+from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH
+from jalign.tasks.preference import PreferenceTask
 from jalign.train import loop
 from jalign.train.task import Setup
-from jalign.tasks.preference import PreferenceTask
 
 
 class WithRefLogps:

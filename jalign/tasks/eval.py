@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jalign import files
 from jalign.config import RunConfig
+from jalign.core import files
 from jalign.eval.policy import evaluate
 from jalign.parallel import distributed
 from jalign.train.metrics import MetricsWriter

@@ -20,22 +20,24 @@ from flax import nnx
 
 from jalign import parallel
 from jalign.config import RunConfig
+from jalign.core.errors import ConfigError
 from jalign.data.sources import open_source
-from jalign.errors import ConfigError
 from jalign.eval.policy import accuracy
-from jalign.losses import advantages as adv_lib, policy as policy_lib
+from jalign.losses import advantages as adv_lib
+from jalign.losses import policy as policy_lib
+from jalign.models.sharding import to_host
 from jalign.objectives import grpo as objective
-from jalign.rl.agent import summary as agent_summary
+from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH
+from jalign.rl.agentic.agent import summary as agent_summary
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH
-from jalign.models.sharding import to_host
 from jalign.rl.plan import LogprobPlan
 from jalign.rl.stage import RolloutStage, advantages, logprob_agreement, update_rows
-from jalign.train import loop, optimizer as optim_lib
-from jalign.train.task import Setup, StepOut, Task, global_from_full
 from jalign.tasks.critic import Critic
 from jalign.tasks.grpo_sampler import Rollout, StepSampler
+from jalign.train import loop
+from jalign.train import optimizer as optim_lib
+from jalign.train.task import Setup, StepOut, Task, global_from_full
 
 
 class GrpoTask(Task):
@@ -64,7 +66,7 @@ class GrpoTask(Task):
     self.rewards = cfg.reward.spec()
     model_reward = None
     if cfg.reward.model:
-      from jalign.rl.model_reward import ModelReward
+      from jalign.rewards.learned import ModelReward
       model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, setup.rollout_mesh or mesh,
                                  cfg.mesh.rules)
     self.spec = s

@@ -21,19 +21,22 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jalign import models
-from jalign import tokenizer as tokenizer_lib
 from jalign.config import RunConfig
+from jalign.core.errors import ConfigError
 from jalign.data import preference
-from jalign.errors import ConfigError
-from jalign.eval import policy as policy_eval, ranking
+from jalign.eval import policy as policy_eval
+from jalign.eval import ranking
+from jalign.models.reward_model import RewardModel
 from jalign.objectives import reward as objective
 from jalign.parallel.distributed import is_main, say
+from jalign.rewards.ensemble import write_ensemble
+from jalign.tasks.preference import PreferenceTask
+from jalign.tokenizers import tokenizer as tokenizer_lib
 from jalign.train import loop
 from jalign.train.task import Setup
-from jalign.tasks.preference import PreferenceTask
 
 
-def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
+def load_reward_model(cfg: RunConfig, mesh) -> RewardModel:
   m, r = cfg.model, cfg.rm
   knobs = m.knobs()
   if m.path and models.is_sequence_classifier(m.path):
@@ -41,14 +44,14 @@ def load_reward_model(cfg: RunConfig, mesh) -> objective.RewardModel:
       raise ConfigError(f"{m.path} is a sequence classifier with a linear score head; config.rm.head={r.head!r}")
     backbone, score = models.load_sequence_classifier(m.path, dtype=m.dtype, mesh=mesh, rules=cfg.mesh.rules,
                                                       compute_dtype=m.compute_dtype or m.dtype, **knobs)
-    return objective.RewardModel.from_classifier(backbone, score)
+    return RewardModel.from_classifier(backbone, score)
   if m.path:  # a causal LM: the backbone without its LM head (tied: nothing to drop)
     backbone = models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, rules=cfg.mesh.rules,
                                       compute_dtype=m.compute_dtype or m.dtype, tie_embeddings=True, **knobs)
   else:
     arch = m.arch.replace(param_dtype=m.dtype, dtype=m.compute_dtype or m.dtype, tie_embeddings=True, **knobs)
     backbone = models.create(arch, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
-  return objective.RewardModel(backbone, score_head(cfg, backbone.cfg.hidden_size))
+  return RewardModel(backbone, score_head(cfg, backbone.cfg.hidden_size))
 
 
 def score_head(cfg: RunConfig, hidden_size: int) -> models.ScalarHead:
@@ -143,7 +146,7 @@ def run(cfg: RunConfig) -> dict:
     members.append((os.path.join(member.run_dir, "hf"), m.weight))
   path = reward_model_dir(cfg)
   if is_main():
-    objective.write_ensemble(path, members)
+    write_ensemble(path, members)
   if jax.process_count() > 1:  # the other processes read what process 0 wrote
     multihost_utils.sync_global_devices("reward-model ensemble written")
   if cfg.data.eval:

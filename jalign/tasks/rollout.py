@@ -14,14 +14,14 @@ import jax
 
 from jalign import parallel
 from jalign.config import RunConfig
-from jalign.files import output_path
-from jalign.data.sources import open_source
-from jalign.rl.buffer import BufferWriter
+from jalign.core.files import output_path
 from jalign.data.prompts import PromptError, check_prompts, encode_prompt
+from jalign.data.sources import open_source
 from jalign.parallel.distributed import say
+from jalign.rl.buffer import BufferWriter
 from jalign.rl.rollout import rollout_batch
+from jalign.tokenizers import tokenizer as tokenizer_lib
 from jalign.train.task import load_model
-from jalign import tokenizer as tokenizer_lib
 
 
 def run(cfg: RunConfig) -> dict:
@@ -33,7 +33,7 @@ def run(cfg: RunConfig) -> dict:
   rewards = cfg.reward.spec()
   model_reward = None
   if cfg.reward.model:
-    from jalign.rl.model_reward import ModelReward
+    from jalign.rewards.learned import ModelReward
     model_reward = ModelReward(cfg.reward.model, cfg.reward.model_weight, mesh, cfg.mesh.rules)
   source = open_source(cfg.rollout.prompts, cfg.data.fields())
   total = min(len(source), cfg.rollout.limit) if cfg.rollout.limit else len(source)

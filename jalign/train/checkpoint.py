@@ -18,8 +18,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from jalign import files
-from jalign.errors import CheckpointError
+from jalign.core import files
+from jalign.core.errors import CheckpointError
 
 
 class Checkpointer:

@@ -12,10 +12,11 @@ import time
 import jax
 from flax import nnx
 
-from jalign import parallel, tokenizer as tokenizer_lib
+from jalign import parallel
 from jalign.config import RunConfig, as_dict
+from jalign.core.errors import ConfigError
 from jalign.models import lora
-from jalign.errors import ConfigError
+from jalign.tokenizers import tokenizer as tokenizer_lib
 from jalign.train import optimizer as optim_lib
 from jalign.train.checkpoint import Checkpointer, abstract_like
 from jalign.train.metrics import MetricsWriter, flops_per_token, peak_flops, to_floats

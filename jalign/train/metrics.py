@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
-from jalign import files
 from jalign.config import LogSection
+from jalign.core import files
 from jalign.models.config import ModelConfig
 from jalign.models.sharding import to_host
 

@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 from jalign.parallel import distributed
 from jalign.train import preemption
 

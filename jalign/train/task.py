@@ -12,16 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jalign import models, parallel, tokenizer as tokenizer_lib
+from jalign import models, parallel
 from jalign.config import RunConfig
 from jalign.data import pipeline
 from jalign.data.scan import scan
 from jalign.data.sources import open_source
 from jalign.models import lora
 from jalign.parallel.distributed import say
+from jalign.tokenizers import tokenizer as tokenizer_lib
 from jalign.train import optimizer as optim_lib
 from jalign.train.metrics import MetricsWriter
-from jalign.train.step import TrainState, Trainable, jit_step
+from jalign.train.step import Trainable, TrainState, jit_step
 
 
 @dataclasses.dataclass

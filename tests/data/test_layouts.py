@@ -9,9 +9,9 @@ import pytest
 
 from jalign.data import layouts, preference, sft
 from jalign.data.layouts import Fields
-from jalign.data.sources import DataError, open_source
-from jalign.rl.rewards import REGISTRY, Batch
 from jalign.data.prompts import PromptError, encode_prompt
+from jalign.data.sources import DataError, open_source
+from jalign.rewards.verifiable import REGISTRY, Batch
 from tests import realdata
 
 GSM8K = {"question": "Natalia sold 48 clips in April and half as many in May. How many altogether?",
@@ -94,6 +94,7 @@ def test_keys_name_the_fields_of_any_dataset():
 
 def test_config_layouts_are_the_modules(tmp_path):
   import typing
+
   from jalign.data.pipeline import DataSection
   hints = typing.get_type_hints(DataSection)
   assert typing.get_args(hints["layout"]) == layouts.NAMES
@@ -120,7 +121,7 @@ def test_json_arrays_and_gzip_with_record_lines(tmp_path):
 
 
 def test_prompt_error_names_the_keys_and_the_layouts():
-  from jalign.tokenizer import load
+  from jalign.tokenizers.tokenizer import load
   tok = load("jalign/assets/arith_tokenizer")
   with pytest.raises(PromptError, match=r"it has \['query'\]\); name the prompt's field with data.prompt_key"):
     encode_prompt({"query": "1+1"}, tok, index=0, where="f.jsonl:3", max_length=64)
@@ -141,7 +142,7 @@ def test_every_gold_gsm8k_solution_scores_one_read_as_is():
 
 
 def test_hh_rlhf_test_split_reads_and_encodes_with_a_real_template():
-  from jalign.tokenizer import load
+  from jalign.tokenizers.tokenizer import load
   src = open_source(realdata.path("hh-rlhf/helpful-base_test.jsonl.gz"))
   assert len(src) == 2354
   tok = load(realdata.path("tokenizers/qwen3"))
@@ -164,7 +165,7 @@ def test_hh_rlhf_test_split_reads_and_encodes_with_a_real_template():
 
 
 def test_llama_factory_demo_sets():
-  from jalign.tokenizer import load
+  from jalign.tokenizers.tokenizer import load
   tok = load(realdata.path("tokenizers/llama3"))
   dpo = open_source(realdata.path("preference/llama-factory/dpo_en_demo.json"))
   assert len(dpo) == 300
@@ -204,9 +205,10 @@ def _tokenizer_dir(name, tmp_path):
 def test_chat_ids_equal_transformers_on_gsm8k_and_hh_conversations(name, tmp_path):
   """Real tokenizers and their real templates, on the mapped records of real datasets: the HF-format tokenizers of
   ../shared/realdata, and its Mistral SentencePiece models with their templates (transformers converts the .model
-  itself, jalign.spm independently). Llama 2's model has no template: tests/test_tokenizer.py checks its ids."""
+  itself, jalign.tokenizers.spm independently). Llama 2's model has no template: tests/test_tokenizer.py checks its ids."""
   import transformers
-  from jalign.tokenizer import load
+
+  from jalign.tokenizers.tokenizer import load
   directory = _tokenizer_dir(name, tmp_path)
   ours, theirs = load(directory), transformers.AutoTokenizer.from_pretrained(directory)
   gsm8k = open_source(realdata.path("gsm8k/train.jsonl"))

@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from jalign import tokenizer
 from jalign.data import pipeline, preference, synthetic
 from jalign.data.sources import DataError, open_source
+from jalign.tokenizers import tokenizer
 
 TOK_DIR = os.path.join(os.path.dirname(synthetic.__file__), "..", "assets", "arith_tokenizer")
 USER = [{"role": "user", "content": "What is 12 + 30?"}]

@@ -17,7 +17,7 @@ import transformers
 from jalign.data import sft as sft_data
 from jalign.data.sources import open_source
 from jalign.eval.policy import pass_at_k, win_rate
-from jalign import tokenizer as tokenizer_lib
+from jalign.tokenizers import tokenizer as tokenizer_lib
 from tests.configs_util import ROOT
 
 ARITH_TOKENIZER = os.path.join(ROOT, "jalign", "assets", "arith_tokenizer")

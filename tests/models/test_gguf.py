@@ -10,10 +10,11 @@ import pytest
 import torch
 from flax import nnx
 
-from jalign import models, sampling, tokenizer
+from jalign import models, sampling
+from jalign.data.prompts import encode_prompt, left_pad
 from jalign.data.sources import open_source
 from jalign.models.safetensors_io import CheckpointError
-from jalign.data.prompts import encode_prompt, left_pad
+from jalign.tokenizers import tokenizer
 from tests import realdata
 from tests.realdata import smollm2_hf  # noqa: F401  (the session fixture)
 
@@ -71,7 +72,7 @@ def test_bad_gguf_files_are_named(tmp_path):
     models.from_pretrained(str(tmp_path / "phi.gguf"))
 
 
-# The tokenizer a .gguf holds (jalign.gguf_tokenizer) -----------------------------------------------------------------
+# The tokenizer a .gguf holds (jalign.tokenizers.gguf_tokenizer) -----------------------------------------------------------------
 
 def _conversations():
   gsm8k = open_source(realdata.path("gsm8k/train.jsonl"))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from jalign import models, tokenizer
+from jalign import models
+from jalign.tokenizers import tokenizer
 from tests import hf_reference as ref
 from tests import realdata
 from tests.realdata import smollm2_hf  # noqa: F401  (the session fixture)

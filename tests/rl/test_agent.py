@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (jalign.rl.agent): episodes sampled turn by turn in batches, tools answering between turns,
+"""Multi-turn rollouts (jalign.rl.agentic.agent): episodes sampled turn by turn in batches, tools answering between turns,
 one row per episode whose loss mask is exactly the model's tokens, truncation at the turn and episode budgets, and
 the real sampler driving the shipped tiny policy."""
 import json
@@ -7,9 +7,11 @@ import os
 import jax
 import numpy as np
 
-from jalign import models, tokenizer
+from jalign import models
 from jalign.data.sources import open_source
-from jalign.rl import agent, env as env_lib
+from jalign.rl.agentic import agent
+from jalign.rl.agentic import env as env_lib
+from jalign.tokenizers import tokenizer
 from tests.configs_util import ROOT
 from tests.realdata import path
 
@@ -90,7 +92,7 @@ def test_the_sampler_drives_the_tiny_policy():
   out = agent.rollout(lambda: env_lib.ToolEnv({}, reward="gsm8k", max_turns=2), tok, records, 2, sample,
                       max_turn_tokens=16, max_tokens=lm.cfg.max_position_embeddings)
   assert [i["turns"] for i in out.info] == [1] * 16 and out.metrics()["agent/tool_calls/mean"] == 0.0
-  from jalign.rl.rewards import REGISTRY, Batch
+  from jalign.rewards.verifiable import REGISTRY, Batch
   for k in range(16):
     assert out.response[k, out.lengths[k] - 1] == tok.eos_id and not out.info[k]["truncated"]
     text = tok.decode(out.response[k, :out.lengths[k] - 1])
@@ -137,11 +139,13 @@ def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
   al. 2016, NumPy here) run over its model tokens with the observations cut out, and is 0 on the observations. The
   outcome sits on the last model token."""
   import dataclasses as dc
+
   import jax.numpy as jnp
+
+  from jalign.data.prompts import Prompt
   from jalign.rl.config import GrpoSection
   from jalign.rl.groups import Groups
   from jalign.rl.stage import advantages, update_rows
-  from jalign.data.prompts import Prompt
   tok = tokenizer.load(path("tokenizers/qwen3"))
   answers = {RECORDS[0]["prompt"]: "7006652", RECORDS[1]["prompt"]: "9998"}
   out = agent.rollout(lambda: env_lib.make("calculator", max_turns=3), tok, RECORDS, 2,

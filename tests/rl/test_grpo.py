@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 from jalign.rl.config import GrpoSection
+from jalign.rl.groups import Groups
 from jalign.rl.stage import advantages
 from jalign.tasks import grpo as grpo_train
-from jalign.rl.groups import Groups
 from tests.configs_util import ROOT, run_config
 
 
@@ -406,6 +406,7 @@ def test_a_reward_without_signal_is_reported_not_trained_on(tmp_path, capsys, mo
   group carries signal. The run says so, names the reward and a record, and raises no entropy alarm; under 'skip'
   the policy is left as it was."""
   from flax import nnx
+
   from jalign import models
   run_dir = tmp_path / "r"
   final = grpo_train.run(run_config("grpo", run_dir=str(run_dir), reward__weights=(("exact_match", 1.0),),

@@ -11,12 +11,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jalign import models, tokenizer
+from jalign import models
 from jalign.data.prompts import encode_prompt
 from jalign.data.sources import open_source
 from jalign.objectives import grpo as objective
 from jalign.rl import rollout
 from jalign.rl.stage import logprob_agreement
+from jalign.tokenizers import tokenizer
 from tests.configs_util import ROOT
 
 ASSETS = os.path.join(ROOT, "jalign", "assets")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jalign.rl import buffer
-from jalign.tasks import grpo, rm as reward_task, rollout
+from jalign.tasks import grpo, rollout
+from jalign.tasks import rm as reward_task
 from tests.configs_util import ROOT, run_config
 
 PAIRS = os.path.join(ROOT, "jalign", "assets", "arith_prefs", "test.jsonl")
@@ -60,7 +61,7 @@ def test_grpo_with_a_reward_model(tmp_path):
 
 
 def test_reward_config_errors(tmp_path):
-  from jalign.errors import ConfigError
+  from jalign.core.errors import ConfigError
   with pytest.raises(ConfigError, match=r"config.reward: no reward configured"):
     run_config("grpo", reward__weights=())
   policy = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
@@ -83,7 +84,7 @@ def test_reward_config_errors(tmp_path):
 
 
 def test_an_ensemble_is_not_a_starting_point_for_training(tmp_path):
-  from jalign.errors import ConfigError
+  from jalign.core.errors import ConfigError
   rm_dir = _reward_model(tmp_path, ({"train": PAIRS, "steps": 2, "weight": 1.0},))
   for task, extra in (("rm", dict(rm__members=())), ("grpo", {})):
     with pytest.raises(ConfigError, match=r"ensemble' is a reward-model ensemble .*use one of its numbered member"):

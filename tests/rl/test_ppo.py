@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 
 from jalign import models
-from jalign.errors import ConfigError
-from jalign.losses import advantages as adv_lib, policy
+from jalign.core.errors import ConfigError
+from jalign.losses import advantages as adv_lib
+from jalign.losses import policy
 from jalign.objectives import ppo
 from tests.configs_util import ROOT, run_config
 

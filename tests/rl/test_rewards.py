@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 from jalign import models
-from jalign.objectives.reward import RewardModel
-from jalign.rl import rewards as R
+from jalign.models.reward_model import RewardModel
+from jalign.rewards import verifiable as R
 
 
 def _batch(completions, truths, lengths=None):

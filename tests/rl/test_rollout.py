@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jalign.rl import buffer
 from jalign.data.prompts import PromptError
+from jalign.rl import buffer
 from tests.configs_util import ROOT, run_config
 
 
@@ -73,7 +73,7 @@ def test_verl_parquet_layout_and_arrayrecord_output(tmp_path):
                                                                    r"than the allowed 48"),
 ])
 def test_bad_prompts_name_the_record(tmp_path, rows, message):
-  from jalign.rl.rewards import RewardError
+  from jalign.rewards.verifiable import RewardError
   from jalign.tasks import rollout
   with open(tmp_path / "prompts.jsonl", "w") as f:
     for r in rows:
@@ -84,6 +84,6 @@ def test_bad_prompts_name_the_record(tmp_path, rows, message):
 
 
 def test_unknown_reward_is_a_config_error():
-  from jalign.errors import ConfigError
+  from jalign.core.errors import ConfigError
   with pytest.raises(ConfigError, match=r"config.reward: unknown reward 'gsm9k'; available: boxed"):
     run_config("rollout", reward__weights=(("gsm9k", 1.0),))

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from jalign.rl import sandbox, tools
+from jalign.rl.agentic import sandbox, tools
 
 LAYERS = sandbox.kernel_layers()
 

@@ -7,9 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from jalign import tokenizer
-from jalign.errors import ConfigError
-from jalign.rl import env as env_lib, tools
+from jalign.core.errors import ConfigError
+from jalign.rl.agentic import env as env_lib
+from jalign.rl.agentic import tools
+from jalign.tokenizers import tokenizer
 from tests.realdata import path
 
 
@@ -172,7 +173,7 @@ def test_episode_tokens_equal_the_templates_rendering_of_the_whole_conversation(
   """Token in, token out: the model's sampled ids are kept as sampled, observations come from the template, and the
   result equals the template's rendering of the finished conversation; the loss mask covers exactly the model's ids
   (Qwen3's turns open with the think block the model writes; its template re-renders the last turn with one)."""
-  from jalign.rl.episode import Episode
+  from jalign.rl.agentic.episode import Episode
   tok = tokenizer.load(path(f"tokenizers/{name}"))
   end_id = tok.tk.token_to_id(end)
   env = env_lib.make("calculator", max_turns=4)
@@ -204,7 +205,7 @@ def test_episode_tokens_equal_the_templates_rendering_of_the_whole_conversation(
 def test_episode_refuses_a_turn_the_template_would_rewrite():
   """Llama 3's template trims message content: a model turn ending in spaces before its stop token would be
   re-rendered without them, so extending the episode would silently change sampled tokens."""
-  from jalign.rl.episode import Episode, EpisodeError
+  from jalign.rl.agentic.episode import Episode, EpisodeError
   tok = tokenizer.load(path("tokenizers/llama3"))
   episode = Episode(tok, [{"role": "user", "content": "2+2?"}])
   text = _call("2+2") + "   "
@@ -226,7 +227,8 @@ def test_mistral_episodes_are_token_exact(version, tmp_path):
   sampled, and written back as the structured call the template renders (its id paired with the result's); the
   answer's leading space is the template's. The episode's ids equal the rendering of the whole conversation."""
   import shutil
-  from jalign.rl.episode import Episode
+
+  from jalign.rl.agentic.episode import Episode
   model, template = MISTRAL[version]
   shutil.copyfile(path(model), tmp_path / "tokenizer.model")
   shutil.copyfile(path(template), tmp_path / "chat_template.jinja")

@@ -1,4 +1,4 @@
-"""The tool-use demonstrations (jalign.rl.traces) and the demo they warm-start (configs/agent.py): the shipped
+"""The tool-use demonstrations (jalign.rl.agentic.traces) and the demo they warm-start (configs/agent.py): the shipped
 traces are what the command regenerates, each one is solved, SFT trains exactly the tokens a rollout of the same
 conversation produces, and the tiny demo runs end to end with the agent metrics and both accuracies."""
 import json
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import jalign
-from jalign import tokenizer
+from jalign.core.errors import DataError
 from jalign.data import sft, synthetic
-from jalign.errors import DataError
-from jalign.rl import env as env_lib, traces
-from jalign.rl.episode import Episode
+from jalign.rl.agentic import env as env_lib
+from jalign.rl.agentic import traces
+from jalign.rl.agentic.episode import Episode
+from jalign.tokenizers import tokenizer
 from tests.configs_util import ROOT
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")

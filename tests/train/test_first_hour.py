@@ -215,7 +215,7 @@ def test_list_keys_prints_every_key_with_value_type_and_bounds(tmp_path):
   assert "config.grpo.clip_c = None  (float or None, > 1)" in lines
   assert "config.sampling.temperature = 1.0  (float, >= 0)" in lines, [l for l in lines if "temperature" in l]
   from jalign.config import RunConfig, defaults
-  from jalign.sections import listing
+  from jalign.core.sections import listing
   assert len(lines) == len(listing(RunConfig, defaults())) > 150  # every key, nothing else
   assert not os.path.exists(ROOT + "/runs/grpo_tiny/.lock")
 
@@ -228,7 +228,7 @@ def test_grpo_shows_sampled_completions_and_the_report_holds_its_held_out_accura
   assert [line.split()[1] for line in shown] == ["1", "1", "2", "2"], proc.stdout[-3000:]  # step 1, then every 2
   rows = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
   assert [r["step"] for r in rows] == [1, 1, 2, 2]
-  from jalign.rl.rewards import REGISTRY, Batch
+  from jalign.rewards.verifiable import REGISTRY, Batch
   for r in rows:  # the reward shown is the verifier's of the completion shown
     assert r["prompt"].endswith("<|im_start|>assistant\n") and r["completion"]
     assert r["reward"] == REGISTRY["gsm8k"](Batch([r["completion"]], [r["ground_truth"]], [1]))[0]
@@ -244,6 +244,7 @@ def test_grpo_shows_sampled_completions_and_the_report_holds_its_held_out_accura
 
 def test_eval_needs_no_reference_and_names_one_it_cannot_use(tmp_path):
   import shutil
+
   import jalign
   policy = os.path.join(os.path.dirname(jalign.__file__), "assets", "tiny_policy")
   short = tmp_path / "short_context"

@@ -10,11 +10,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jalign import models
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 from jalign.models import lora
 from jalign.objectives import sft as sft_objective
-from jalign.train import loop, optimizer as optim_lib
-from jalign.tasks import dpo as dpo_task, grpo, rm as rm_task, sft as sft_task
+from jalign.tasks import dpo as dpo_task
+from jalign.tasks import grpo
+from jalign.tasks import rm as rm_task
+from jalign.tasks import sft as sft_task
+from jalign.train import loop
+from jalign.train import optimizer as optim_lib
 from jalign.train.step import make_step
 from tests.configs_util import run_config
 

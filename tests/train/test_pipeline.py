@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 from jalign.eval import report
 from jalign.tasks import chain as pipeline
 from tests.configs_util import ROOT, config_dict

@@ -8,9 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from jalign import tokenizer
-from jalign.errors import ConfigError
-from jalign.tasks import dpo as dpo_task, rm as reward_task
+from jalign.core.errors import ConfigError
+from jalign.tasks import dpo as dpo_task
+from jalign.tasks import rm as reward_task
+from jalign.tokenizers import tokenizer
 from tests.configs_util import ROOT, run_as_user, run_config
 
 ASSETS = os.path.join(ROOT, "jalign", "assets")

@@ -2,17 +2,27 @@
 
 GGUF keeps the vocabulary under `tokenizer.ggml.*`: the token strings in id order, their types (1 normal, 2 unknown,
 3 control, 4 user-defined, 5 unused, 6 byte), and either BPE merges (`model` "gpt2": byte-level BPE, with the
-pre-tokenizer named by `tokenizer.ggml.pre`) or SentencePiece scores (`model` "llama": read as jalign.spm reads a
+pre-tokenizer named by `tokenizer.ggml.pre`) or SentencePiece scores (`model` "llama": read as jalign.tokenizers.spm reads a
 tokenizer.model), plus the special-token ids and `tokenizer.chat_template`. Byte-level pre-tokenizers known here (the
 regexes llama.cpp and the models' own tokenizer.json use for each name): gpt-2 (GPT-2's regex), smollm and starcoder
 (digits one by one, then GPT-2's regex), llama-bpe (Llama 3), qwen2 (Qwen 2 / 3).
 """
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import (
+  AddedToken,
+  Regex,
+  Tokenizer,
+  decoders,
+  models,
+  normalizers,
+  pre_tokenizers,
+  processors,
+)
 
-from jalign import spm
-from jalign.errors import UserError
+from jalign.core import gguf_reader
+from jalign.core.errors import UserError
+from jalign.tokenizers import spm
 
 # tokenizer.ggml.pre -> (split regex before byte-level mapping or None for GPT-2's own, digits one by one, NFC)
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -51,15 +61,7 @@ def _byte_level(tokens, types, merges, pre: str, where: str) -> Tokenizer:
 
 
 def load(path: str) -> tuple[Tokenizer, dict]:
-  try:
-    import gguf
-  except ImportError:
-    raise GgufTokenizerError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)") from None
-  try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:  # gguf raises ValueError / struct errors / OSError for a bad file
-    raise GgufTokenizerError(f"{path}: not a readable GGUF file ({e})") from None
-  meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+  _, meta = gguf_reader.read(path, GgufTokenizerError)
   kind = meta.get("tokenizer.ggml.model")
   tokens = meta.get("tokenizer.ggml.tokens")
   if not tokens:

@@ -6,8 +6,8 @@ the new messages. The ids so built equal the template's rendering of the whole c
 are the tokens sampled."""
 from __future__ import annotations
 
-from jalign.errors import UserError
-from jalign.tokenizer import ChatTemplateError
+from jalign.core.errors import UserError
+from jalign.tokenizers.tokenizer import ChatTemplateError
 
 
 class EpisodeError(UserError):

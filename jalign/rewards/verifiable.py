@@ -1,5 +1,5 @@
 """Reward functions on decoded text (verifiable, rule-based); a reward model scores in-graph with
-`jalign.objectives.reward.RewardModel.score`.
+`jalign.models.reward_model.RewardModel.score`.
 
 A reward function maps a batch of completions (with their ground truths and token lengths) to float32 scores.
 Functions are registered by name so configs pick them (`{"gsm8k": 1.0, "format": 0.1}`). Model output is only ever
@@ -13,9 +13,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jalign.data.answers import NUMBER, answers_match, extract_boxed, extract_gsm8k, extract_last_number
-from jalign.errors import ConfigError, UserError
-from jalign.sections import bounded
+from jalign.core.errors import ConfigError, UserError
+from jalign.core.sections import bounded
+from jalign.data.answers import (
+  NUMBER,
+  answers_match,
+  extract_boxed,
+  extract_gsm8k,
+  extract_last_number,
+)
 
 
 class RewardError(UserError):
@@ -161,7 +167,7 @@ class RewardSection:
                         "reward.model (a reward model checkpoint)")
     if self.model:
       from jalign.models.hf import architectures
-      from jalign.objectives.reward import ensemble_members, is_ensemble
+      from jalign.rewards.ensemble import ensemble_members, is_ensemble
       try:  # one checkpoint, or each member of an ensemble directory
         paths = [p for p, _ in ensemble_members(self.model)] if is_ensemble(self.model) else [self.model]
       except ValueError as e:

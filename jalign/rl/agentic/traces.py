@@ -4,7 +4,7 @@ environment's own conversation (its tool prompt, its observations) and is checke
 The expert calls the environment's one tool with the record's field named as the tool's argument (the `mul` task's
 `expression`), then answers `#### <the tool's output>` (the GSM8K convention the verifiable rewards read).
 
-    python -m jalign.rl.traces --prompts synthetic:mul:train:256 --env calculator --format compact \\
+    python -m jalign.rl.agentic.traces --prompts synthetic:mul:train:256 --env calculator --format compact \\
         --direct 256 --out jalign/assets/agent_traces/train.jsonl
 
 `--direct N` adds N records of the same source (the ones after the traced ones) as plain answers, without tools, so
@@ -16,10 +16,12 @@ import argparse
 import json
 import os
 
-from jalign import files, tokenizer as tokenizer_lib
+from jalign.core import files
+from jalign.core.errors import DataError
 from jalign.data.sources import open_source
-from jalign.errors import DataError
-from jalign.rl import env as env_lib, tools as tools_lib
+from jalign.rl.agentic import env as env_lib
+from jalign.rl.agentic import tools as tools_lib
+from jalign.tokenizers import tokenizer as tokenizer_lib
 
 
 def expert_trace(tok, env: env_lib.ToolEnv, record: dict, where: str = "") -> dict:

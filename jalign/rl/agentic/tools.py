@@ -4,7 +4,7 @@ ask for, and running a call so that nothing it does (bad arguments, an exception
 or the run: every failure comes back as an error observation the model can read.
 
 Built in: `calculator`, exact arithmetic on integers and decimals (parsed with `ast`, never evaluated as Python), and
-`python`, code run in a sandboxed interpreter (`jalign.rl.sandbox`: its own process, no network, no writes outside
+`python`, code run in a sandboxed interpreter (`jalign.rl.agentic.sandbox`: its own process, no network, no writes outside
 its temporary directory, time and memory limits).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 from fractions import Fraction
 from typing import Any, Callable
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 
 
 class ToolError(Exception):
@@ -284,7 +284,7 @@ register(Tool("calculator", "Evaluate an arithmetic expression exactly (integers
 
 def python(code: str) -> str:
   """Runs `code` in the sandbox; its printed output (and the traceback's last frames if it raised) is the result."""
-  from jalign.rl import sandbox
+  from jalign.rl.agentic import sandbox
   try:
     text, status = sandbox.run_python(code, timeout_s=PYTHON_TIMEOUT_S)
   except sandbox.SandboxTimeout as e:

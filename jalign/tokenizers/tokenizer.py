@@ -18,8 +18,9 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from jalign import files, gguf_tokenizer, spm
-from jalign.errors import UserError
+from jalign.core import files
+from jalign.core.errors import UserError
+from jalign.tokenizers import gguf_tokenizer, spm
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

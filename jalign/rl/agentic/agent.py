@@ -19,8 +19,8 @@ import numpy as np
 from jalign import sampling
 from jalign.data.prompts import left_pad_ids
 from jalign.models.sharding import to_host
-from jalign.rl.env import Env, with_tools
-from jalign.rl.episode import Episode, EpisodeError
+from jalign.rl.agentic.env import Env, with_tools
+from jalign.rl.agentic.episode import Episode, EpisodeError
 
 # sample_fn(list of token-id lists) -> (tokens [B, T], log-probs [B, T], lengths [B]): one turn per row, stopping at
 # (and including) the end-of-turn token.

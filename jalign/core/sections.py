@@ -16,7 +16,7 @@ from typing import Literal
 
 import ml_collections
 
-from jalign.errors import ConfigError
+from jalign.core.errors import ConfigError
 
 
 def bounded(default, *, gt=None, ge=None, lt=None, le=None, finite: bool = True):

@@ -18,9 +18,17 @@ from __future__ import annotations
 import dataclasses
 import struct
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import (
+  AddedToken,
+  Regex,
+  Tokenizer,
+  decoders,
+  models,
+  normalizers,
+  pre_tokenizers,
+)
 
-from jalign.errors import UserError
+from jalign.core.errors import UserError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 UNIGRAM, BPE = 1, 2

@@ -4,7 +4,7 @@ state. Registered by name, as rewards are.
 
 `ToolEnv` is the tool-calling environment: a turn whose text calls tools (in the chat template's format) gets the
 tools' outputs back as `tool` messages; a turn without a call is the final answer, scored by a verifiable reward of
-`jalign.rl.rewards`; a malformed call, an unknown tool or a tool that fails gets an error message and the episode goes
+`jalign.rewards.verifiable`; a malformed call, an unknown tool or a tool that fails gets an error message and the episode goes
 on. An episode that reaches `max_turns` without answering ends truncated, with reward 0.
 """
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Callable
 
 import numpy as np
 
+from jalign.core.errors import ConfigError
 from jalign.data.prompts import ground_truth_of
-from jalign.errors import ConfigError
-from jalign.rl import tools as tools_lib
-from jalign.rl.rewards import NEEDS_GROUND_TRUTH, REGISTRY as REWARDS, Batch
+from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH, Batch
+from jalign.rewards.verifiable import REGISTRY as REWARDS
+from jalign.rl.agentic import tools as tools_lib
 
 
 @dataclasses.dataclass

@@ -11,8 +11,8 @@ import numpy as np
 from flax import nnx
 
 from jalign import models
-from jalign.errors import ConfigError
-from jalign.objectives.reward import load_scorers
+from jalign.core.errors import ConfigError
+from jalign.rewards.ensemble import load_scorers
 
 
 class ModelReward:
