@@ -43,6 +43,7 @@ from flax import nnx  # noqa: E402
 
 from jalign import kernels, models, sampling  # noqa: E402
 from jalign.objectives import grpo, sft  # noqa: E402
+from jalign.rl.batch import RolloutBatch  # noqa: E402
 from jalign.train.metrics import flops_per_token, peak_flops, peak_hbm_bandwidth  # noqa: E402
 from jalign.train.step import TrainState, make_step  # noqa: E402
 
@@ -196,7 +197,7 @@ def _train_step(cfg, lm, loss_fn, batch, repeats, seq_len, peaks) -> dict:
     return metrics
 
   secs = best_time(run, repeats)
-  tokens = int(np.prod(batch["tokens"].shape))
+  tokens = int(jax.tree.leaves(batch)[0].shape[0]) * seq_len  # rows x sequence length
   out = {"params": cfg.num_params(), "tokens_per_step": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
   if memory is not None:
     out["memory_gib"] = {k: getattr(memory, f"{k}_size_in_bytes") / 2**30
@@ -223,11 +224,11 @@ def grpo_section(shapes, peaks) -> dict:
   r = seq - p
   rng = np.random.RandomState(2)
   tokens = rng.randint(0, cfg.vocab_size, (rows, seq))
-  batch = {"tokens": jnp.asarray(tokens, jnp.int32), "segment_ids": jnp.ones((rows, seq), jnp.int32),
-           "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
-           "response": jnp.asarray(tokens[:, p:], jnp.int32), "response_mask": jnp.ones((rows, r), jnp.int32),
-           "advantages": jnp.asarray(rng.randn(rows, r), jnp.float32),
-           "ref_logp": jnp.asarray(-rng.rand(rows, r) * 5, jnp.float32)}
+  batch = RolloutBatch(tokens=jnp.asarray(tokens, jnp.int32), segment_ids=jnp.ones((rows, seq), jnp.int32),
+                       positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
+                       response=jnp.asarray(tokens[:, p:], jnp.int32), response_mask=jnp.ones((rows, r), jnp.int32),
+                       advantages=jnp.asarray(rng.randn(rows, r), jnp.float32),
+                       ref_logp=jnp.asarray(-rng.rand(rows, r) * 5, jnp.float32))
   loss = lambda g: grpo.make_loss_fn(g, grpo.GrpoLossConfig(global_rows=rows))  # noqa: E731
   return _train_step(cfg, lm, loss, batch, shapes["repeats"], seq, peaks)
 

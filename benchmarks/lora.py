@@ -46,8 +46,8 @@ def train(task: str, lora: bool, run_dir: str, quick: bool) -> tuple[dict, float
 def optimizer_bytes(task: str, lora: bool) -> int:
   import importlib.util
 
-  from jalign.config import validate
   from jalign import fit
+  from jalign.config import validate
   spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, "configs", f"{task}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -33,6 +33,7 @@ def _median_time(fn, repeats: int) -> float:
 def forward_vs_transformers(args) -> None:
   import torch
   import transformers
+
   from jalign import models
 
   torch.manual_seed(0)

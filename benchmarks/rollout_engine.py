@@ -28,7 +28,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax
 import numpy as np
-
 from checkpoints import add_model_flag, prepare
 
 GROUP = 4

@@ -21,7 +21,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax
 import numpy as np
-
 from checkpoints import Checkpoint, add_model_flag, prepare
 
 BATCH, MAX_NEW = 16, 128

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from checkpoints import TINY, Checkpoint, add_model_flag, prepare
 
 HIDDEN, LAYERS, HEADS = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["num_attention_heads"]

@@ -53,8 +53,8 @@ def main():
   parser.add_argument("--only", default="", help="run the cases whose name contains this")
   args = parser.parse_args()
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jalign.parallel import tpu_target
   from jalign import fit
+  from jalign.parallel import tpu_target
   print(f"{'case':24s} {'mesh':>9s} {'params':>8s} {'optim':>8s} {'peak':>8s} {'HBM':>6s} {'fits':>5s} "
         f"{'step >=':>8s} {'compile':>8s}")
   for name, task, arch, acc, tokens, mesh in CASES:

@@ -102,13 +102,14 @@ def report(cfg, arch: str = "", target=None) -> dict:
   # it takes: the program the run compiles, not a copy of it.
   jitted = task.jit_update(mesh, Trainable(graphdef, state, state_sh, frozen, frozen_sh), optimizer, schedule)
   batch_sh = parallel.batch_sharding(mesh)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh) for k, v in task.abstract_batch().items()}
+  batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh), task.abstract_batch())
+  columns = batch if isinstance(batch, dict) else batch.columns()  # GRPO / PPO: a RolloutBatch
   with jax.set_mesh(mesh):
     compiled = jitted.lower(state, batch, None if frozen is None else with_sharding(frozen, frozen_sh)).compile()
   mem = compiled.memory_analysis()
   out = {
       "devices": int(mesh.size), "mesh": dict(mesh.shape), "task": cfg.task,
-      "batch": {k: list(v.shape) for k, v in batch.items()},
+      "batch": {k: list(v.shape) for k, v in columns.items()},
       "params_total": int(sum(x.size for x in jax.tree.leaves(params)) +
                           sum(x.size for x in jax.tree.leaves(frozen or {}))),
       "trainable_params": int(sum(x.size for x in jax.tree.leaves(params))),
@@ -122,7 +123,7 @@ def report(cfg, arch: str = "", target=None) -> dict:
   b["peak_estimate"] = b["arguments"] + b["temp"] + b["outputs"] - b["aliased"]
   if target is not None:  # the TPU compiler's own peak (its buffer schedule), and a FLOP-bound step time
     b["peak"] = int(getattr(mem, "peak_memory_in_bytes", 0)) or b["peak_estimate"]
-    flops = model_flops(model_cfg, batch["tokens"].shape, out["params_total"], out["trainable_params"])
+    flops = model_flops(model_cfg, columns["tokens"].shape, out["params_total"], out["trainable_params"])
     out["target"] = {"chip": target.chip.name, "topology": target.topology, "chips": target.num_chips,
                      "hbm_gib": target.chip.hbm_gib, "model_flops_per_chip": flops / mesh.size,
                      "step_time_lower_bound_s": target.seconds_at_peak(flops / mesh.size)}

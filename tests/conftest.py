@@ -32,32 +32,65 @@ def pytest_unconfigure(config):
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-# Test tiers. A test's markers follow from what it does, read from its source, so a new test lands in its tier by
-# itself: `realdata` needs ../shared/realdata, `aot` compiles for TPU topologies or Llama-sized shapes, `e2e` runs a
-# whole job (the command line, a task run to the end, a recipe). `long` is set by hand on the full reproductions.
-# The fast developer tier is `-m "not e2e and not realdata and not aot and not long"`.
+# Test tiers. A test's markers follow from what it does, read (by the regular expressions below) from its code and
+# that of the helpers and fixtures of its own module it uses, docstrings and comments left out, so a new test lands
+# in its tier by itself: `realdata` needs ../shared/realdata, `aot` compiles for TPU topologies or Llama-sized shapes,
+# `e2e` runs a whole job (the command line or another Python process, a task run to its end, a recipe, a notebook).
+# `long` is set by hand on the full reproductions. The fast developer tier is
+# `-m "not e2e and not realdata and not aot and not long"`.
 _TIERS = {
     "realdata": ("realdata", "smollm2", "REALDATA"),
-    "aot": ("topology", "tpu_target", "fit.report", "jalign.fit", "llama3-8b", "llama3_8b"),
-    "e2e": ("run_as_user", "jalign.run", "tasks.run(", "_run(tmp_path", "faulty_run", "loop.run(", ".run(cfg",
-            "run_recipe", "run_job", "subprocess.run("),
+    "aot": ("topology", "tpu_target", r"fit\.report", r"jalign\.fit", "llama3-8b", "llama3_8b"),
+    # A task's or the command line's `run(` (not a shell command's or a tool's), another Python process, a notebook.
+    "e2e": (r"\b(?!subprocess\.|tools\.|app\.)\w+\.run\(", "cli\.command\(", "run_faulty\(", "sys\.executable",
+            "run_recipe", "run_job", "client\.execute\("),
 }
 
 
-def pytest_collection_modifyitems(config, items):
+def _code(obj) -> str:
+  """The source of a function (or a fixture's function) without its docstring and comments; "" if it has none."""
+  import ast
   import inspect
+  import textwrap
+  obj = getattr(obj, "_get_wrapped_function", lambda: getattr(obj, "__wrapped__", obj))()
+  try:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+  except (OSError, TypeError, SyntaxError):
+    return ""
+  for node in ast.walk(tree):
+    body = getattr(node, "body", None)
+    if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+      node.body = body[1:] or [ast.Pass()]
+  return ast.unparse(tree)
+
+
+def _reach(fn, module, names) -> str:
+  """`fn`'s code and that of the module-level functions and fixtures of `module` it names, followed transitively."""
+  import re
+  seen, todo, texts = set(), [fn, *(getattr(module, n, None) for n in names)], []
+  while todo:
+    obj = todo.pop()
+    if obj is None or id(obj) in seen or not callable(obj):
+      continue
+    seen.add(id(obj))
+    text = _code(obj)
+    texts.append(text)
+    todo += [getattr(module, n) for n in set(re.findall(r"\b(\w+)\b", text)) if n in vars(module)]
+  return "\n".join(texts)
+
+
+def pytest_collection_modifyitems(config, items):
+  import re
+
   import pytest
-  sources = {}
+  texts = {}
   for item in items:
     fn = getattr(item, "function", None)
     if fn is None:
       continue
-    if fn not in sources:
-      try:
-        sources[fn] = inspect.getsource(fn)
-      except (OSError, TypeError):
-        sources[fn] = ""
-    text = sources[fn] + " ".join(getattr(item, "fixturenames", ()))
+    key = (fn, tuple(getattr(item, "fixturenames", ())))
+    if key not in texts:
+      texts[key] = _reach(fn, item.module, key[1])
     for marker, needles in _TIERS.items():
-      if any(n in text for n in needles):
+      if any(re.search(n, texts[key]) for n in needles):
         item.add_marker(getattr(pytest.mark, marker))

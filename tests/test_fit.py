@@ -73,13 +73,13 @@ def test_fit_compiles_the_update_the_run_runs(tmp_path, monkeypatch, config, ove
   def recording(self, rows):
     jitted = update_fn(self, rows)
     def update(state, batch):
-      seen.append({k: tuple(v.shape) for k, v in batch.items()})
+      seen.append({k: tuple(v.shape) for k, v in batch.columns().items()})
       return jitted(state, batch)
     return update
   monkeypatch.setattr(grpo.GrpoTask, "_update_fn", recording)
   tasks.run(cfg)
   task = tasks.task(cfg)
-  abstract = {k: tuple(v.shape) for k, v in task.abstract_batch().items()}
+  abstract = {k: tuple(v.shape) for k, v in task.abstract_batch().columns().items()}
   assert seen and all(set(batch) == set(abstract) for batch in seen), (seen[0], abstract)
   for batch in seen:  # the rows and the response width; prompts are left-padded to at most the fit's width
     assert batch["response"] == abstract["response"], (batch, abstract)

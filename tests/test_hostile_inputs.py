@@ -8,8 +8,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -20,7 +18,8 @@ import jalign
 from jalign import tasks
 from jalign.config import validate
 from jalign.core.errors import UserError
-from tests.configs_util import ROOT, config_dict
+from tests import cli
+from tests.configs_util import config_dict
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
 POLICY = os.path.join(ASSETS, "tiny_policy")
@@ -229,10 +228,8 @@ CLI_CASES = ["bad_json", "missing_file", "config_unknown_key", "config_wrong_typ
 def _cli(tmp_path, name, env=None):
   _, config, build, expected = next(c for c in CASES if c[0] == name)
   flags = [f"--config.{k.replace('__', '.')}={v}" for k, v in build(tmp_path).items()]
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/{config}.py:tiny",
-         f"--config.run_dir={tmp_path / 'run'}", "--config.train.steps=2", "--config.log.progress=False", *flags]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
-  return proc, expected
+  return cli.run(f"{config}.py:tiny", tmp_path / "run", "--config.train.steps=2", *flags, env=env, timeout=300), \
+      expected
 
 
 @pytest.mark.parametrize("name", CLI_CASES)

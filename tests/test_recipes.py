@@ -4,13 +4,10 @@ import json
 import math
 import os
 
-import subprocess
-import sys
-
 import pytest
 
-from tests import realdata
-from tests.configs_util import ROOT, run_config
+from tests import cli, realdata
+from tests.configs_util import run_config
 from tests.realdata import smollm2_hf  # noqa: F401  (the session fixture)
 
 # MATH-format records ({problem, level, type, solution}); truths are the solutions' last boxed answers
@@ -42,37 +39,35 @@ def _flags(overrides: dict) -> list[str]:
   return [f"--config.{k.replace('__', '.')}={v}" for k, v in overrides.items()]
 
 
-@pytest.mark.slow
-def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path):  # noqa: F811
-  """The recipes in turn, each as a user runs it (`python -m jalign.run`, one CPU device): one at a time, since a
-  real model's run holds 4-5 GB at its peak on a CPU host. The last starts from the .gguf file itself, its
-  tokenizer and chat template included."""
+RECIPES = ("gsm8k_sft", "gsm8k_grpo", "gsm8k_tools", "math_grpo", "hh_rm", "hh_dpo")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path, name):  # noqa: F811
+  """Each recipe as a user runs it (`python -m jalign.run`, one CPU device), a test each so the suite's workers
+  share them (a real model's run holds 4-5 GB at its peak on a CPU host: two at once fit). hh_dpo starts from the
+  .gguf file itself, its tokenizer and chat template included."""
   model_dir, _ = smollm2_hf
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  for name in ("gsm8k_sft", "gsm8k_grpo", "gsm8k_tools", "math_grpo", "hh_rm", "hh_dpo"):
-    run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/recipes/{name}.py:smoke",
-           f"--config.model.path={realdata.path(realdata.SMOLLM2_GGUF) if name == 'hh_dpo' else model_dir}",
-           f"--config.run_dir={run_dir}", "--config.log.progress=False",
-           *_flags(_data(name, tmp_path))]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (name, proc.stdout[-2000:], proc.stderr[-3000:])
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    losses = [r[k] for r in rows for k in ("train/loss", "actor/pg_loss") if k in r]
-    assert losses and all(math.isfinite(v) for v in losses), name
-    if name == "gsm8k_tools":  # episodes of the calculator environment, scored with and without the tool
-      assert all("agent/turns/mean" in r and "agent/truncated_fraction" in r for r in rows if "actor/pg_loss" in r)
-      assert any("eval/accuracy_no_tools" in r for r in rows)
-    if "grpo" in name or "tools" in name:
-      assert all("actor/no_signal" in r for r in rows if "actor/pg_loss" in r) and len(losses) == 2, name
-      assert any("eval/accuracy" in r for r in rows), name
-    else:
-      assert len(losses) == 2 and any("eval/loss" in r for r in rows), name
-    assert os.path.exists(run_dir / "hf" / "config.json") and os.path.exists(run_dir / "hf" / "tokenizer.json"), name
+  run_dir = tmp_path / name
+  model = realdata.path(realdata.SMOLLM2_GGUF) if name == "hh_dpo" else model_dir
+  cli.run(f"recipes/{name}.py:smoke", run_dir, f"--config.model.path={model}", *_flags(_data(name, tmp_path)),
+          one_device=True, check=True, timeout=900)
+  rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  losses = [r[k] for r in rows for k in ("train/loss", "actor/pg_loss") if k in r]
+  assert losses and all(math.isfinite(v) for v in losses), name
+  if name == "gsm8k_tools":  # episodes of the calculator environment, scored with and without the tool
+    assert all("agent/turns/mean" in r and "agent/truncated_fraction" in r for r in rows if "actor/pg_loss" in r)
+    assert any("eval/accuracy_no_tools" in r for r in rows)
+  if "grpo" in name or "tools" in name:
+    assert all("actor/no_signal" in r for r in rows if "actor/pg_loss" in r) and len(losses) == 2, name
+    assert any("eval/accuracy" in r for r in rows), name
+  else:
+    assert len(losses) == 2 and any("eval/loss" in r for r in rows), name
+  assert os.path.exists(run_dir / "hf" / "config.json") and os.path.exists(run_dir / "hf" / "tokenizer.json"), name
 
 
 def test_recipes_reject_unknown_args():
-  for name in ("gsm8k_sft", "gsm8k_grpo", "gsm8k_tools", "math_grpo", "hh_rm", "hh_dpo"):
+  for name in RECIPES:
     with pytest.raises(ValueError, match="unknown"):
       run_config(f"recipes/{name}", "huge")
   for variant in ("drgrpo", "dapo", "dapo,smoke"):

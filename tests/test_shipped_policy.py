@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.configs_util import ROOT, run_as_user
+from tests import cli
+from tests.cli import ROOT
 
 SHIPPED = os.path.join(ROOT, "jalign", "assets", "tiny_policy")
 
@@ -30,11 +31,9 @@ def test_shipped_policy_loads_and_solves_some_but_not_all():
   assert 0.05 < acc < 0.9  # some but not all held-out prompts
 
 
-@pytest.mark.slow
 @pytest.mark.long  # 11 minutes alone on 2 AVX2 cores: `python -m pytest -m long`
 def test_sft_config_reproduces_the_shipped_policy(tmp_path):
-  out = run_as_user("sft", tmp_path, timeout=1800)
-  assert out.returncode == 0, out.stderr[-3000:]
+  cli.run("sft.py", tmp_path, "--config.log.tensorboard=False", one_device=True, check=True, timeout=1800)
   recorded = json.load(open(os.path.join(SHIPPED, "..", "tiny_policy.json")))
   final = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if "eval/exact_match" in l][-1]
   got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(os.path.join(SHIPPED, "model.safetensors"))

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tests.configs_util import ROOT
+from tests import cli
+from tests.cli import ROOT
 
 SCRIPTS = ("create", "setup", "launch", "status", "logs", "teardown", "supervise")
 SCOPE = ["--name=demo", "--zone=us-west4-a"]
@@ -174,6 +175,7 @@ FAKE_GCLOUD = r'''
 """A stand-in for `gcloud compute tpus tpu-vm` on one fake single-host slice: its state in $FAKE_TPU/state, the
 worker's home in $FAKE_TPU/home (wiped when the slice is deleted, as a VM's disk is), every call in calls.log."""
 import os, shutil, subprocess, sys
+from tests import cli
 root = os.environ["FAKE_TPU"]
 state_file, home = os.path.join(root, "state"), os.path.join(root, "home")
 args = sys.argv[1:]
@@ -232,8 +234,7 @@ def test_supervise_recreates_a_preempted_slice_and_the_run_resumes_bitwise(tmp_p
   flags = ["--config.train.steps=300", "--config.checkpoint.every=20", "--config.train.log_every=1",
            "--config.train.eval_examples=0", "--config.log.tensorboard=False"]
   clean_dir, run_dir = tmp_path / "clean", tmp_path / "bucket" / "run"
-  subprocess.run([sys.executable, "-m", "jalign.run", "--config=configs/sft.py:tiny", f"--config.run_dir={clean_dir}",
-                  "--config.log.progress=False", *flags], cwd=ROOT, check=True, capture_output=True, timeout=600)
+  cli.run("sft.py:tiny", clean_dir, *flags, check=True)
   supervisor = subprocess.Popen(
       ["bash", os.path.join(ROOT, "tpu_scripts", "supervise.sh"), *SCOPE, "--config=configs/sft.py:tiny",
        f"--run-dir={run_dir}", "--interval=1", "--", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,

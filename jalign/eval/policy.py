@@ -33,7 +33,8 @@ from jalign.objectives import grpo as grpo_objective
 from jalign.objectives import sft as sft_objective
 from jalign.parallel.distributed import say
 from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH, REGISTRY, Batch
-from jalign.rl.rollout import Samples, SamplingSection, concat, model_rows, sample
+from jalign.rl.batch import RolloutBatch
+from jalign.rl.rollout import Samples, SamplingSection, concat, sample
 from jalign.tokenizers import tokenizer as tokenizer_lib
 
 
@@ -118,12 +119,12 @@ def sequence_logprobs(lm, r: Samples, pad_id: int, temperature: float, batch_siz
   """Summed log-probs [N*n] of each response under `lm` (the sampling distribution at `temperature`)."""
   graphdef, params = nnx.split(lm)
   fn = _logprob_fn(graphdef, temperature)
-  batch = model_rows(*r.prompt_arrays(pad_id), r.tokens, r.lengths)
+  batch = RolloutBatch.of_rows(*r.prompt_arrays(pad_id), r.tokens, r.lengths)
   out = []
   for start in range(0, len(r.tokens), batch_size):
-    part = {k: jnp.asarray(v[start:start + batch_size]) for k, v in batch.items()}
+    part = jax.tree.map(jnp.asarray, batch.slice(start, start + batch_size))
     logp = to_host(fn(params, part))
-    out.append(np.sum(logp * batch["response_mask"][start:start + batch_size], axis=1))
+    out.append(np.sum(logp * batch.response_mask[start:start + batch_size], axis=1))
   return np.concatenate(out)
 
 

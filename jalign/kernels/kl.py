@@ -15,8 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jalign.kernels.chunked import (_NEG, _chunk, _chunk_logits, chunk_columns, n_chunks, scan_chunks,
-                                    write_columns)
+from jalign.kernels.chunked import (
+  _NEG,
+  _chunk,
+  _chunk_logits,
+  chunk_columns,
+  n_chunks,
+  scan_chunks,
+  write_columns,
+)
 from jalign.kernels.kl_pallas import full_kl_pallas_tpu
 from jalign.kernels.target import row_axes, target_platform
 

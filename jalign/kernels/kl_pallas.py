@@ -16,8 +16,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jalign.kernels.pallas import (_NEG, TPU_SCOPED_VMEM, _accumulate, _compiler_params, _contract, _logits_tile,
-                                   _pad, _round_up, tpu_vmem_bytes)
+from jalign.kernels.pallas import (
+  _NEG,
+  TPU_SCOPED_VMEM,
+  _accumulate,
+  _compiler_params,
+  _contract,
+  _logits_tile,
+  _pad,
+  _round_up,
+  tpu_vmem_bytes,
+)
 
 DEFAULT_BLOCKS = (128, 256)  # (tokens, vocabulary)
 

@@ -21,7 +21,9 @@ _PAD_SEGMENT = -1  # padding's own segment id
 
 
 def _mask(t: int, causal: bool, window: int | None, heads: int):
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask as masks,
+  )
   if window:  # transformers: kv_slot > q_slot - window
     one = masks.LocalMask((t, t), (window - 1, 0 if causal else None), offset=0)
   elif causal:

@@ -16,7 +16,8 @@ import numpy as np
 from flax import nnx
 
 from jalign import kernels
-from jalign.kernels.attn import AUTO_CHUNKED_FROM, attention_mask as _attention_mask, gqa_attention
+from jalign.kernels.attn import AUTO_CHUNKED_FROM, gqa_attention
+from jalign.kernels.attn import attention_mask as _attention_mask
 from jalign.models import lora as lora_lib
 from jalign.models.attention import apply_rope, positions_from_mask
 from jalign.models.config import ModelConfig

@@ -1,15 +1,13 @@
 """GRPO / PPO-style policy update on sampled sequences: clipped surrogate + KL to the reference + entropy bonus.
 
-Batch layout (all [N, ...]): `tokens` [N, P+R] = left-padded prompt then response, `segment_ids`/`positions` for the
-forward, `response` [N, R], `response_mask` [N, R], `advantages` [N, R], `old_logp` and `ref_logp` [N, R] (without
-`ref_logp`, as when the KL coefficient is 0, the loss has no KL term and reports no KL). Without
-`old_logp` the update is on-policy (one epoch, one mini-batch): the old policy is the current one, so its log-probs
-are the current ones with the gradient stopped (ratio 1, as verl does) and no separate forward is needed. With a
-rollout correction (`rollout_is` / `rollout_rs`) the batch also holds `behaviour_logp` [N, R], the log-probs of the
-policy that sampled the data (a replay buffer's, or an asynchronous rollout's), and each token's clipped loss is
-weighted and masked by `losses.policy.rollout_correction` (against `kept_logp` where the sampler filtered its
-distribution: the old policy's log-probs renormalised over the same kept set, `kept_logprobs`). The loss comes back
-as (numerator, denominator) so the train step normalises over the global batch.
+The batch is a `jalign.rl.batch.RolloutBatch` (its layout is documented there). Without `old_logp` the update is
+on-policy (one epoch, one mini-batch): the old policy is the current one, so its log-probs are the current ones with
+the gradient stopped (ratio 1, as verl does) and no separate forward is needed. Without `ref_logp`, as when the KL
+coefficient is 0, the loss has no KL term and reports no KL. With a rollout correction (`rollout_is` / `rollout_rs`)
+each token's clipped loss is weighted and masked by `losses.policy.rollout_correction` of `behaviour_logp` against
+`kept_logp` where the sampler filtered its distribution (the old policy's log-probs renormalised over the same kept
+set, `kept_logprobs`), else against `old_logp`. The loss comes back as (numerator, denominator) so the train step
+normalises over the global batch.
 """
 from __future__ import annotations
 
@@ -52,57 +50,57 @@ class GrpoLossConfig:
     return bool(self.rollout_is or self.rollout_rs)
 
 
-def response_logprobs(graphdef, params, batch: dict, temperature: float,
+def response_logprobs(graphdef, params, batch, temperature: float,
                       logprobs: kernels.LogprobOptions = kernels.LogprobOptions(), group_size: int = 0):
   """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`. `group_size` > 1: rows
   i*g .. i*g+g-1 share one prompt (as sampled: each prompt's samples in a row), which then runs through the model
   once per group (`Decoder.response_hidden`)."""
   lm = nnx.merge(graphdef, params)
-  hidden = lm.response_hidden(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                              response_len=batch["response"].shape[1], group_size=group_size,
-                              dropout_rng=batch.get("dropout_rng"))
-  logp, entropy, _ = kernels.token_logprobs(hidden, lm.unembed(), batch["response"],
+  hidden = lm.response_hidden(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
+                              response_len=batch.response.shape[1], group_size=group_size,
+                              dropout_rng=batch.dropout_rng)
+  logp, entropy, _ = kernels.token_logprobs(hidden, lm.unembed(), batch.response,
                                             temperature=temperature, softcap=lm.cfg.final_softcap,
                                             **logprobs.kwargs())
   return logp, entropy
 
 
-def kept_logprobs(graphdef, params, batch: dict, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+def kept_logprobs(graphdef, params, batch, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
                   min_p: float = 0.0, group_size: int = 0):
   """Log-probs [N, R] of the response tokens under the model with the sampler's filters (top-k, top-p, min-p) applied
   to its own logits and renormalised over the tokens they keep: the distribution the sampler's behaviour log-probs
   are of, so an importance ratio compares like with like (against the full softmax it would be off by the kept mass;
   TRL#6789). Row by row: a row's [R, V] logits are the largest array."""
   lm = nnx.merge(graphdef, params)
-  hidden = lm.response_hidden(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                              response_len=batch["response"].shape[1], group_size=group_size)
+  hidden = lm.response_hidden(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
+                              response_len=batch.response.shape[1], group_size=group_size)
 
   def row(args):
     hidden_RxD, tokens_R = args
     logits = filter_logits(lm.logits(hidden_RxD[None])[0], temperature=temperature, top_k=top_k, top_p=top_p,
                            min_p=min_p)
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens_R[:, None], -1)[:, 0]
-  return jax.lax.map(row, (hidden, batch["response"]))
+  return jax.lax.map(row, (hidden, batch.response))
 
 
 def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   def loss_fn(params, batch):
     logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, logprobs, cfg.group_size)
-    mask = batch["response_mask"].astype(jnp.float32)
-    old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    mask = batch.response_mask.astype(jnp.float32)
+    old_logp = batch.old_logp if batch.old_logp is not None else jax.lax.stop_gradient(logp)
     if cfg.corrects:
       weights, keep = policy.rollout_correction(
-          batch.get("kept_logp", old_logp), batch["behaviour_logp"], mask, is_level=cfg.rollout_is,
+          old_logp if batch.kept_logp is None else batch.kept_logp, batch.behaviour_logp, mask, is_level=cfg.rollout_is,
           is_threshold=cfg.rollout_is_threshold, rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold,
           rs_lower=cfg.rollout_rs_threshold_lower)
       response_mask = mask
       mask = mask * keep  # verl: rejected tokens leave the loss and its denominator
-    pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch["advantages"], mask,
+    pg, metrics = policy.policy_loss_matrix(logp, old_logp, batch.advantages, mask,
                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
                                             mode=cfg.mode, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
     if cfg.corrects:
       pg = pg * weights
-    kl = policy.kl_penalty(logp, batch["ref_logp"], cfg.kl_kind) if "ref_logp" in batch else None
+    kl = None if batch.ref_logp is None else policy.kl_penalty(logp, batch.ref_logp, cfg.kl_kind)
     total = (pg if kl is None else pg + cfg.kl_coef * kl) - cfg.entropy_coef * entropy
     agg = "seq-mean-token-mean" if cfg.mode in policy.SEQUENCE_MODES else cfg.agg
     norm = dict(global_rows=cfg.global_rows or None, norm_rows=cfg.norm_rows or None, horizon=cfg.horizon or None)

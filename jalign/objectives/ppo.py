@@ -37,13 +37,14 @@ def make_critic(policy_lm: Decoder, *, seed: int = 0) -> RewardModel:
   return RewardModel(backbone, head)
 
 
-def response_values(graphdef, params, batch: dict) -> jax.Array:
-  """values [N, R]: the critic's estimate at the position before each response token."""
+def response_values(graphdef, params, batch) -> jax.Array:
+  """values [N, R]: the critic's estimate at the position before each response token (`batch`: a
+  `jalign.rl.batch.RolloutBatch`)."""
   critic = nnx.merge(graphdef, params)
-  hidden, _ = critic.backbone.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                                      dropout_rng=batch.get("dropout_rng"))
-  r = batch["response"].shape[1]
-  p = batch["tokens"].shape[1] - r
+  hidden, _ = critic.backbone.forward(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
+                                      dropout_rng=batch.dropout_rng)
+  r = batch.response.shape[1]
+  p = batch.tokens.shape[1] - r
   return critic.head(hidden[:, p - 1:p + r - 1])
 
 
@@ -59,8 +60,8 @@ def make_value_loss_fn(graphdef, cfg: ValueLossConfig):
   """0.5 * max((v - R)^2, (clip(v, v_old +- clip) - R)^2), aggregated over the global batch (see `losses.policy`)."""
   def loss_fn(params, batch):
     values = response_values(graphdef, params, batch)
-    mask = batch["response_mask"].astype(jnp.float32)
-    old, returns = batch["old_values"], batch["returns"]
+    mask = batch.response_mask.astype(jnp.float32)
+    old, returns = batch.old_values, batch.returns
     clipped = jnp.clip(values, old - cfg.clip, old + cfg.clip)
     l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
     num, den = policy.aggregate_parts(0.5 * jnp.maximum(l1, l2), mask, cfg.agg, global_rows=cfg.global_rows or None,

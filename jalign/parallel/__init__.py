@@ -3,8 +3,15 @@
 Convention: Auto axis types (see jalign.models.sharding); parameters carry explicit NamedShardings, batches are
 split over ('data', 'fsdp') on their leading axis, optimizer state follows its parameter, scalars are replicated.
 """
-from jalign.parallel.shardings import (batch_sharding, fetching, in_memory, mesh_from_config, optimizer_shardings,
-                                      replicated, split_meshes)
+from jalign.parallel.shardings import (
+                                      batch_sharding,
+                                      fetching,
+                                      in_memory,
+                                      mesh_from_config,
+                                      optimizer_shardings,
+                                      replicated,
+                                      split_meshes,
+)
 
 __all__ = ["batch_sharding", "fetching", "in_memory", "mesh_from_config", "optimizer_shardings", "replicated",
            "split_meshes"]

@@ -5,7 +5,8 @@ import dataclasses
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jalign.models.sharding import DEFAULT_RULES, make_mesh
 

@@ -13,9 +13,10 @@ from jalign.data.prompts import Prompt
 from jalign.rl import buffer as buffer_lib
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Groups:
-  """Sampled groups: prompt i's completions are rows i*size .. i*size+size-1."""
+  """Sampled groups, on the host: prompt i's completions are rows i*size .. i*size+size-1 (built with keyword
+  arguments; the update's device batch is `rl.batch.RolloutBatch.of_groups` of them)."""
   prompts: list[Prompt]
   size: int
   response: np.ndarray                  # [N, R] token ids
@@ -69,10 +70,8 @@ class Groups:
       if parts[0].ndim == 2 and name != "counts":
         parts = [np.pad(p, ((0, 0), (0, width - p.shape[1]))) for p in parts]
       return np.concatenate(parts)
-    return Groups([b.prompts[i] for b, i in picked], batches[0].size, cat("response"), cat("lengths"),
-                  cat("scores"), cat("behaviour"), cat("rm_scores"), cat("baselines"), cat("sampler_logp"),
-                  cat("loss_mask"), cat("counts"), cat("token_rewards"))
-
+    return Groups(prompts=[b.prompts[i] for b, i in picked], size=batches[0].size,
+                  **{f.name: cat(f.name) for f in dataclasses.fields(Groups)[2:]})
 
   def to_json(self) -> dict:
     """A JSON-able copy (arrays with their dtype and shape; float32 values round-trip exactly through JSON)."""
@@ -86,7 +85,7 @@ class Groups:
   def from_json(cls, obj: dict) -> "Groups":
     arrays = {f.name: None if obj[f.name] is None else np.asarray(obj[f.name]["data"], obj[f.name]["dtype"]).reshape(
         obj[f.name]["shape"]) for f in dataclasses.fields(cls)[2:]}
-    return cls([Prompt(**p) for p in obj["prompts"]], obj["size"], **arrays)
+    return cls(prompts=[Prompt(**p) for p in obj["prompts"]], size=obj["size"], **arrays)
 
 
 class OfflineBuffer:

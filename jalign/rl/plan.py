@@ -8,8 +8,8 @@ import jax
 import numpy as np
 
 from jalign.data.prompts import Prompt
+from jalign.rl.batch import RolloutBatch
 from jalign.rl.groups import Groups
-from jalign.rl.stage import update_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +43,18 @@ class LogprobPlan:
         critic=g.adv_estimator == "gae")
 
   def columns(self) -> tuple[str, ...]:
-    """The float32 [N, R] columns of the update batch beside the model rows (`stage.update_rows`)."""
+    """The float32 [N, R] columns of the update batch beside the model rows (`rl.batch.RolloutBatch`)."""
     names = [self.stored, "old_logp" if self.current_old else "", "kept_logp" if self.kept else "",
              "ref_logp" if self.reference else "", "advantages"]
     return tuple(dict.fromkeys(n for n in names if n)) + (("returns", "old_values") if self.critic else ())
 
-  def abstract_batch(self, rows: int, group_size: int, prompt_length: int, response_length: int) -> dict:
+  def abstract_batch(self, rows: int, group_size: int, prompt_length: int, response_length: int) -> RolloutBatch:
     """Shapes and dtypes of an update batch of `rows` rows: prompts of `prompt_length` tokens (left-padded to the
-    sampler's bucket, as `stage.update_rows` lays them out) and responses of `response_length`, with `columns`."""
+    sampler's bucket, as `RolloutBatch.of_groups` lays them out) and responses of `response_length`, with
+    `columns`."""
     prompts = [Prompt(i, [0] * prompt_length, "", None, "") for i in range(rows // group_size)]
-    batch = update_rows(Groups(prompts, group_size, np.zeros((rows, response_length), np.int32),
-                               np.full(rows, response_length), np.zeros(rows, np.float32)), 0)
-    batch.update({k: np.zeros((rows, response_length), np.float32) for k in self.columns()})
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    groups = Groups(prompts=prompts, size=group_size, response=np.zeros((rows, response_length), np.int32),
+                    lengths=np.full(rows, response_length), scores=np.zeros(rows, np.float32))
+    batch = RolloutBatch.of_groups(groups, 0).replace(
+        **{k: np.zeros((rows, response_length), np.float32) for k in self.columns()})
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), batch)

@@ -1,5 +1,5 @@
 """The one path from prompts to scored samples and the rows a model reads: `sample` (n per prompt, decoded) ->
-`score` (rewards, a reward model's share) -> `model_rows` (prompt + response tokens, masks, positions). Online
+`score` (rewards, a reward model's share); `rl.batch.RolloutBatch.of_rows` lays out the rows a model reads. Online
 GRPO/PPO, the rollout task that writes a replay buffer (`rollout_batch`) and held-out evaluation all go through it."""
 from __future__ import annotations
 
@@ -99,17 +99,6 @@ def score(samples: Samples, rewards: RewardSpec, *, pad_id: int,
     rm_scores = model_reward(*samples.prompt_arrays(pad_id), samples.tokens, samples.lengths)
     scores = scores + model_reward.weight * rm_scores
   return scores, rm_scores
-
-
-def model_rows(prompt_ids: np.ndarray, prompt_mask: np.ndarray, response: np.ndarray, lengths: np.ndarray) -> dict:
-  """The columns a policy, reference or critic forward reads: left-padded prompts [N, P] followed by responses
-  [N, R] of `lengths` tokens, positions counting real tokens only."""
-  response_mask = (np.arange(response.shape[1])[None] < lengths[:, None]).astype(np.int32)
-  segment = np.concatenate([prompt_mask, response_mask], 1)
-  return {"tokens": np.concatenate([prompt_ids, response], 1).astype(np.int32),
-          "segment_ids": segment.astype(np.int32),
-          "positions": np.maximum(np.cumsum(segment, 1) - 1, 0).astype(np.int32),
-          "response": response.astype(np.int32), "response_mask": response_mask}
 
 
 def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSection, rewards: RewardSpec,

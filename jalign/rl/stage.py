@@ -1,10 +1,12 @@
 """GRPO / PPO's rollout stage: a step's prompt indices -> scored groups (sampled online through `rl.rollout`, or read
-from a replay buffer) -> the update batch's columns -> advantages. Everything here is host-side orchestration; the
-model work runs in the sampler, the reward model and the jitted log-prob and critic functions it is given."""
+from a replay buffer); then, on the devices, the update batch's advantages. Everything else here is host-side
+orchestration; the model work runs in the sampler, the reward model and the jitted log-prob and critic functions it is
+given."""
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,7 +17,6 @@ from jalign.data.prompts import (
   check_prompts,
   encode_prompt,
   ground_truth_of,
-  left_pad,
 )
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib
@@ -26,6 +27,7 @@ from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH, RewardSpec
 from jalign.rl import rollout
 from jalign.rl.agentic import agent
 from jalign.rl.agentic import env as env_lib
+from jalign.rl.batch import RolloutBatch
 from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups, OfflineBuffer
 from jalign.rl.rollout import SamplingSection
@@ -64,7 +66,8 @@ class RolloutStage:
     n, pad = self.spec.num_samples, self.tok.pad_id
     if self.offline is not None:
       prompts, response, lengths, scores, behaviour = self.offline.batch(indices, pad)
-      return Groups(prompts, n, response, lengths, scores, behaviour)
+      return Groups(prompts=prompts, size=n, response=response, lengths=lengths, scores=scores,
+                    behaviour=behaviour)
     if self.make_env is not None:
       return self._episodes(lm, indices, key)
     prompts = [self.encode(self.source[i], index=i, where=self.source.where(i)) for i in indices]
@@ -75,9 +78,8 @@ class RolloutStage:
       greedy_spec = SamplingSection(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
       greedy = rollout.sample(lm, self.tok, prompts, key, greedy_spec, mesh=self.mesh, rules=self.rules)
       baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=pad, model_reward=self.model_reward)[0], n)
-    return Groups(prompts, n, sampled.tokens, sampled.lengths, scores, None, rm_scores, baselines,
-                  sampled.logprobs)
-
+    return Groups(prompts=prompts, size=n, response=sampled.tokens, lengths=sampled.lengths, scores=scores,
+                  rm_scores=rm_scores, baselines=baselines, sampler_logp=sampled.logprobs)
 
   def _episodes(self, lm, indices: list[int], key) -> Groups:
     """Multi-turn: `n` episodes of the environment per prompt record; the response is everything after the prompt,
@@ -93,8 +95,9 @@ class RolloutStage:
                       ground_truth_of(records[j]), self.source.where(i)) for j, i in enumerate(indices)]
     width = sampling.prompt_bucket(out.response.shape[1])  # a few update shapes, not one per longest episode
     pad = lambda a, value=0: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)  # noqa: E731
-    return Groups(prompts, n, pad(out.response, tok.pad_id), out.lengths, out.rewards, None, None, None,
-                  pad(out.logprobs), pad(out.loss_mask), out.counts(), pad(out.token_rewards))
+    return Groups(prompts=prompts, size=n, response=pad(out.response, tok.pad_id), lengths=out.lengths,
+                  scores=out.rewards, sampler_logp=pad(out.logprobs), loss_mask=pad(out.loss_mask),
+                  counts=out.counts(), token_rewards=pad(out.token_rewards))
 
   def episode_accuracies(self, lm, records: list[dict], key, batch_size: int = 256) -> dict:
     """Greedy held-out accuracy of whole episodes (eval/accuracy) and, when the environment has tools, of one answer
@@ -113,47 +116,42 @@ class RolloutStage:
     return out
 
 
-def update_rows(groups: Groups, pad_id: int) -> dict:
-  """The model columns of `groups` (prompt + response rows, one per completion); multi-turn, the loss mask keeps
-  the observations out of the loss."""
-  ids, mask = left_pad(groups.prompts, pad_id)
+def advantages(g: GrpoSection, batch: RolloutBatch, groups: Groups, critic, kl_coef: float, sharding):
+  """`batch` (on the devices) with its advantages [N, R] and, for a critic (an object with `values(batch)`), its
+  `returns` and `old_values`, all computed on the devices and laid out with `sharding`; the metrics; whether every
+  advantage is 0. Token rewards are the outcome on each response's last token, minus kl_coef x KL(old || ref) per
+  token when the KL goes in the reward (verl `apply_kl_penalty`); multi-turn, each turn's reward on its last token
+  (`groups.token_rewards`, whose sums are the scores). remax subtracts `groups.baselines`, the greedy responses'
+  rewards. Dynamic sampling (DAPO) masks the groups whose rewards are all equal out of the loss."""
   n = groups.size
-  rows = rollout.model_rows(np.repeat(ids, n, 0), np.repeat(mask, n, 0), groups.response, groups.lengths)
-  if groups.loss_mask is not None:
-    rows["response_mask"] = groups.loss_mask.astype(np.int32)
-  return rows
-
-
-def advantages(g: GrpoSection, device_batch: dict, scores: np.ndarray, groups: np.ndarray, critic, kl_coef: float,
-               baselines: np.ndarray | None = None, token_rewards: np.ndarray | None = None):
-  """Host arrays: advantages [N, R], the extra batch columns (`returns`, `old_values` for a critic: an object with
-  `values(batch)`) and metrics. Token rewards are the outcome on each response's last token, minus kl_coef x
-  KL(old || ref) per token when the KL goes in the reward (verl `apply_kl_penalty`). `groups` [N]: each row's group
-  id; `baselines` [N]: remax's greedy-response rewards; `token_rewards` [N, R]: multi-turn, each turn's reward on its
-  last token (in place of the outcome on the last token; `scores` are their sums)."""
-  mask = device_batch["response_mask"].astype(jnp.float32)
-  token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(scores), mask) if token_rewards is None else \
-      jnp.asarray(token_rewards, jnp.float32)
+  mask = batch.response_mask.astype(jnp.float32)
+  token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(groups.scores), mask) if groups.token_rewards is None else \
+      jnp.asarray(groups.token_rewards, jnp.float32)
   metrics = {}
   if g.kl_in_reward:
-    kl = policy_lib.kl_penalty(device_batch["old_logp"], device_batch["ref_logp"], g.kl_kind) * mask
+    kl = policy_lib.kl_penalty(batch.old_logp, batch.ref_logp, g.kl_kind) * mask
     token_rewards = token_rewards - kl_coef * kl
     metrics["actor/reward_kl"] = float(adv_lib.masked_mean(kl, mask))
-  values = critic.values(device_batch) if critic is not None else None
-  adv, returns = adv_lib.estimate(g.adv_estimator, token_rewards, mask, jnp.asarray(groups), values_BxT=values,
-                                  baselines_B=None if baselines is None else jnp.asarray(baselines, jnp.float32),
-                                  gamma=g.gamma, lam=g.lam)
+  values = critic.values(batch) if critic is not None else None
+  baselines = groups.baselines
+  adv, returns = adv_lib.estimate(g.adv_estimator, token_rewards, mask, jnp.asarray(np.repeat(np.arange(len(
+      groups.prompts)), n)), values_BxT=values, baselines_B=None if baselines is None else jnp.asarray(
+          baselines, jnp.float32), gamma=g.gamma, lam=g.lam)
   if baselines is not None:
     metrics["critic/remax_baseline/mean"] = float(np.mean(baselines))
-  extra = {}
+  columns = {"advantages": adv.astype(jnp.float32)}
   if critic is not None:
-    returns, values, m = to_host((returns, values, mask))
-    extra = {"returns": returns.astype(np.float32), "old_values": values.astype(np.float32)}
-    r, residual = returns[m > 0], (returns - values)[m > 0]
-    metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r.var(), 1e-8)),
-                    "critic/values/mean": float(values[m > 0].mean()), "critic/returns/mean": float(r.mean())})
+    columns.update(returns=returns.astype(jnp.float32), old_values=values.astype(jnp.float32))
+    r, v, m = to_host((returns, values, mask))  # the metrics only
+    real, residual = m > 0, (r - v)[m > 0]
+    metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r[real].var(), 1e-8)),
+                    "critic/values/mean": float(v[real].mean()), "critic/returns/mean": float(r[real].mean())})
   metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
-  return to_host(adv).astype(np.float32), extra, metrics
+  if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
+    columns["response_mask"] = batch.response_mask * jnp.asarray(np.repeat(groups.informative(), n)[:, None])
+  batch = batch.replace(**jax.device_put(columns, sharding))
+  no_signal = not bool(jnp.any((batch.advantages != 0) & (batch.response_mask > 0)))
+  return batch, metrics, no_signal
 
 
 def logprob_agreement(rollout_logp: np.ndarray, trainer_logp: np.ndarray, response_mask: np.ndarray) -> dict:

@@ -1,5 +1,5 @@
 """In-graph generation: prefill, then a lax.while_loop decode over a preallocated KV cache."""
-from jalign.sampling.sampler import GenerateOutput, generate, prompt_bucket
 from jalign.sampling.filters import sample_logits
+from jalign.sampling.sampler import GenerateOutput, generate, prompt_bucket
 
 __all__ = ["GenerateOutput", "generate", "prompt_bucket", "sample_logits"]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jalign.sampling.filters import sample_logits
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GenerateOutput:

@@ -10,7 +10,9 @@ from jalign import models
 from jalign.config import RunConfig
 from jalign.models import lora
 from jalign.objectives import ppo
-from jalign.train import optimizer as optim_lib, step as step_lib
+from jalign.rl.batch import RolloutBatch
+from jalign.train import optimizer as optim_lib
+from jalign.train import step as step_lib
 
 
 class Critic:
@@ -27,9 +29,9 @@ class Critic:
     self._update = step_lib.jit_step(loss, optimizer, schedule, 1, mesh, t)
     self._values = jax.jit(lambda params, batch: ppo.response_values(self.graphdef, params, batch))
 
-  def values(self, batch: dict) -> jax.Array:
+  def values(self, batch: RolloutBatch) -> jax.Array:
     return self._values(lora.combine(self.state.params, self.frozen), batch)
 
-  def update(self, batch: dict) -> dict:
+  def update(self, batch: RolloutBatch) -> dict:
     self.state, metrics = self._update(self.state, batch, self.frozen)
     return {k.replace("train/", "critic/"): v for k, v in metrics.items() if k not in ("train/loss", "train/weight")}

@@ -29,10 +29,11 @@ from jalign.models.sharding import to_host
 from jalign.objectives import grpo as objective
 from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH
 from jalign.rl.agentic.agent import summary as agent_summary
+from jalign.rl.batch import RolloutBatch
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
 from jalign.rl.plan import LogprobPlan
-from jalign.rl.stage import RolloutStage, advantages, logprob_agreement, update_rows
+from jalign.rl.stage import RolloutStage, advantages, logprob_agreement
 from jalign.tasks.critic import Critic
 from jalign.tasks.grpo_sampler import Rollout, StepSampler
 from jalign.train import loop
@@ -144,7 +145,7 @@ class GrpoTask(Task):
     return optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
                           cfg.grpo.updates_per_step)
 
-  def abstract_batch(self) -> dict:
+  def abstract_batch(self) -> RolloutBatch:
     s = self.cfg.sampling
     return self.plan.abstract_batch(self.rows // self.cfg.grpo.mini_batches, s.num_samples, s.max_prompt_length,
                                     s.max_new_tokens)
@@ -250,13 +251,13 @@ class GrpoTask(Task):
     logs = step % cfg.train.log_every == 0 or step == cfg.train.steps
     evals = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_prompts)
     params = self.setup.full(state.params)
-    batch, response_mask, kl_pair, agreement = self._batch(params, trained, report_kl=logs or evals, agree=logs)
+    batch, kl_pair, agreement = self._batch(params, trained, report_kl=logs or evals, agree=logs)
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
-    adv_metrics, no_signal = self._advantages(batch, response_mask, trained, kl_coef)
+    batch, adv_metrics, no_signal = advantages(g, batch, trained, self.critic, kl_coef, self.batch_sharding)
     skip_update = no_signal and g.no_signal == "skip" and self.critic is None  # a critic still learns the returns
     if self.plan.reference and not g.kl_in_reward and not skip_update:  # only the loss's KL term reads it
-      batch["ref_logp"] = self.ref_logprobs(self.reference, batch)
-    kl_to_ref = None if kl_pair is None else float(self.report_kl(*kl_pair, batch["response_mask"]))
+      batch = batch.replace(ref_logp=self.ref_logprobs(self.reference, batch))
+    kl_to_ref = None if kl_pair is None else float(self.report_kl(*kl_pair, batch.response_mask))
     if self.kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
       self.kl_ctl.value = float(np.float32(self.kl_ctl.update(adv_metrics["actor/reward_kl"], self.rows)))
     t1 = time.perf_counter()
@@ -285,47 +286,37 @@ class GrpoTask(Task):
 
   def _batch(self, params, trained: Groups, *, report_kl: bool, agree: bool):
     """The update batch of `trained` on the devices with the log-prob columns of `self.plan` (the reference's only
-    where the advantages need it); its host response mask; (policy, reference) log-probs to report the KL with on a
-    step where the reference does not run anyway (`report_kl`), else None; and with `agree`, the agreement of the
-    sampler's log-probs with the trainer's."""
+    where the advantages need it); (policy, reference) log-probs to report the KL with on a step where the reference
+    does not run anyway (`report_kl`), else None; and with `agree`, the agreement of the sampler's log-probs with the
+    trainer's."""
     g, plan = self.cfg.grpo, self.plan
-    rows = update_rows(trained, self.setup.tok.pad_id)
-    response_mask = rows["response_mask"]
-    if plan.stored:  # offline or asynchronous: the ratio is against the stored behaviour log-probs, or (a rollout
-      rows[plan.stored] = trained.behaviour  # correction) against the policy before the update, these weighting
+    rows = RolloutBatch.of_groups(trained, self.setup.tok.pad_id)
+    response_mask = rows.response_mask
+    # Offline or asynchronous: the ratio is against the stored behaviour log-probs, or (a rollout correction) against
+    # the policy before the update, the behaviour log-probs then weighting it.
+    if plan.stored:
+      rows = rows.replace(**{plan.stored: trained.behaviour})
     batch = global_from_full(rows, self.batch_sharding)
     if plan.current_old:
-      batch["old_logp"] = self.logprobs(params, batch)
+      batch = batch.replace(old_logp=self.logprobs(params, batch))
     kl_pair = None
     if plan.reference and g.kl_in_reward:  # the rewards subtract the KL: the advantages need it
-      batch["ref_logp"] = self.ref_logprobs(self.reference, batch)
+      batch = batch.replace(ref_logp=self.ref_logprobs(self.reference, batch))
     elif not plan.reference and report_kl:  # the policy's log-probs before the update, as the loss sees them
-      current = batch["old_logp"] if plan.current_old else self.logprobs(params, batch)
+      current = batch.old_logp if plan.current_old else self.logprobs(params, batch)
       kl_pair = (current, self.ref_logprobs(self.reference, batch))
     rollout_logp = trained.behaviour if trained.behaviour is not None else trained.sampler_logp
     kept_logp = None
     if self.filtered and rollout_logp is not None and (plan.kept or agree):
       kept_logp = self.kept_logprobs(params, batch)
       if plan.kept:
-        batch["kept_logp"] = kept_logp
+        batch = batch.replace(kept_logp=kept_logp)
     agreement = {}
     if agree and rollout_logp is not None:  # the sampler's log-probs against the trainer's, same tokens and weights
-      current = kept_logp if kept_logp is not None else batch["old_logp"] if plan.current_old else \
+      current = kept_logp if kept_logp is not None else batch.old_logp if plan.current_old else \
           kl_pair[0] if kl_pair is not None else self.logprobs(params, batch)
       agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
-    return batch, response_mask, kl_pair, agreement
-
-  def _advantages(self, batch: dict, response_mask: np.ndarray, trained: Groups, kl_coef: float):
-    """Advantages (and the critic's columns) into `batch`; their metrics, and whether every advantage is 0."""
-    g, n = self.cfg.grpo, self.spec.num_samples
-    groups = np.repeat(np.arange(len(trained.prompts)), n)
-    adv, extra, metrics = advantages(g, batch, trained.scores, groups, self.critic, kl_coef, trained.baselines,
-                                     trained.token_rewards)
-    if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
-      extra["response_mask"] = response_mask * np.repeat(trained.informative(), n)[:, None]
-    no_signal = not np.any((adv != 0) & (extra.get("response_mask", response_mask) > 0))
-    batch.update(global_from_full({"advantages": adv, **extra}, self.batch_sharding))
-    return metrics, no_signal
+    return batch, kl_pair, agreement
 
   def _rollout_metrics(self, rollout: Rollout, trained: Groups, waited: float, t0: float, t1: float) -> dict:
     sampled, out = rollout.sampled, {}
@@ -353,20 +344,20 @@ class GrpoTask(Task):
     self._kl_bound(step, metrics.get("actor/kl_loss", 0.0))
     self.last = metrics
 
-  def _update(self, state, device_batch: dict, step: int, epochs: int):
+  def _update(self, state, device_batch: RolloutBatch, step: int, epochs: int):
     """`epochs` passes of shuffled mini-batches through the policy update (and the critic's); the metrics averaged
     over the updates (the skip counts as they stand)."""
     g = self.cfg.grpo
     sums: dict[str, float] = {}
     order_key = jax.random.fold_in(jax.random.fold_in(self.key, step - 1), 1)
     for epoch in range(epochs):
-      for chunk in minibatches(jax.random.fold_in(order_key, epoch), len(device_batch["response"]), g.mini_batches,
+      for chunk in minibatches(jax.random.fold_in(order_key, epoch), device_batch.rows, g.mini_batches,
                                self.group_size):
         mb = device_batch if g.mini_batches == 1 else self.take_rows(
             device_batch, jax.device_put(np.asarray(chunk, np.int32), self.rep))
         m = {}
         if self.critic is None or step - 1 >= g.critic_warmup:
-          state, m = self._update_fn(mb["response"].shape[0])(state, mb)
+          state, m = self._update_fn(mb.rows)(state, mb)
         if self.critic is not None:
           m = {**m, **self.critic.update(mb)}
         for k, v in jax.device_get(m).items():

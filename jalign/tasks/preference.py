@@ -10,12 +10,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jalign import parallel
-from jalign.models.sharding import to_host
-from jalign.parallel.distributed import say
 from jalign.config import RunConfig
 from jalign.data import preference
-from jalign.data.sources import DataError
 from jalign.data.sft import TooLong
+from jalign.data.sources import DataError
+from jalign.models.sharding import to_host
+from jalign.parallel.distributed import say
 from jalign.train.task import Setup, Task, global_batch
 
 

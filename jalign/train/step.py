@@ -18,7 +18,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-
 from flax import nnx
 
 from jalign import models, parallel
@@ -45,20 +44,21 @@ LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, dict]]
 
 def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_schedule, micro_batches: int,
               micro_sharding=None, *, dropout_seed: int | None = None):
-  """(state, batch, frozen=None) -> (state, metrics); batch leaves are [global_batch, ...].
+  """(state, batch, frozen=None) -> (state, metrics); batch: a dict of columns or a pytree of them (GRPO / PPO's
+  `rl.batch.RolloutBatch`, with a `replace` method), its leaves [global_batch, ...].
 
   `frozen`: parameters that take part in the loss but do not train (a LoRA run's base weights); the loss sees
   `lora.combine(state.params, frozen)` and only `state.params` get gradients and optimizer state.
   `dropout_seed`: each micro-batch gets a `dropout_rng` key (from the seed, the step and the micro-batch index),
   which objectives pass to the model's forward."""
 
-  def step(state: TrainState, batch: dict, frozen=None):
+  def step(state: TrainState, batch, frozen=None):
     micro = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
     if micro_sharding is not None:
       micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
     if dropout_seed is not None:
-      micro["dropout_rng"] = jax.random.split(jax.random.fold_in(jax.random.key(dropout_seed), state.step),
-                                              micro_batches)
+      keys = jax.random.split(jax.random.fold_in(jax.random.key(dropout_seed), state.step), micro_batches)
+      micro = {**micro, "dropout_rng": keys} if isinstance(micro, dict) else micro.replace(dropout_rng=keys)
     whole = functools.partial(lora.combine, frozen=frozen)
 
     def accumulate(carry, mb):

@@ -266,11 +266,14 @@ def global_batch(local: dict, sharding) -> dict:
           if k != "record"}
 
 
-def global_from_full(full: dict, sharding) -> dict:
-  """Device arrays of a batch that every process holds whole (rollouts: each process generates, gathers and scores
-  the same rows); each process places only its own shards."""
-  return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda idx, v=v: np.asarray(v)[idx])
-          for k, v in full.items() if k != "record"}
+def global_from_full(full, sharding):
+  """Device arrays of a batch (a dict of columns, or a pytree such as `rl.batch.RolloutBatch`) that every process
+  holds whole (rollouts: each process generates, gathers and scores the same rows); each process places only its
+  own shards. A dict's `record` column (the records' file:line) stays on the host."""
+  if isinstance(full, dict):
+    full = {k: v for k, v in full.items() if k != "record"}
+  return jax.tree.map(lambda v: jax.make_array_from_callback(np.shape(v), sharding, lambda idx: np.asarray(v)[idx]),
+                      full)
 
 
 def dropout_seed(cfg: RunConfig) -> int | None:

@@ -6,8 +6,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from jalign.data import sft as sft_data
 from jalign.data.sources import open_source
 from jalign.eval.policy import pass_at_k, win_rate
 from jalign.tokenizers import tokenizer as tokenizer_lib
+from tests import cli
 from tests.configs_util import ROOT
 
 ARITH_TOKENIZER = os.path.join(ROOT, "jalign", "assets", "arith_tokenizer")
@@ -77,10 +76,8 @@ def test_eval_config_on_a_transformers_checkpoint(tmp_path):
     for a, b in [(3, 4), (12, 30), (7, 8), (45, 2), (9, 9)]:
       f.write(json.dumps({"prompt": f"What is {a} + {b}?", "completion": f"#### {a + b}"}) + "\n")
   run_dir = tmp_path / "eval"
-  proc = subprocess.run(
-      [sys.executable, "-m", "jalign.run", "--config=configs/eval.py:tiny", f"--config.model.path={ckpt}",
-       f"--config.eval.reference={ckpt}", f"--config.eval.sft_data={sft_file}", f"--config.run_dir={run_dir}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  proc = cli.run("eval.py:tiny", run_dir, f"--config.model.path={ckpt}", f"--config.eval.reference={ckpt}",
+                 f"--config.eval.sft_data={sft_file}")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   out = json.loads((run_dir / "eval.json").read_text())
   assert out["eval/prompts"] == 16

@@ -94,7 +94,8 @@ def test_bad_calls():
 def test_pallas_tpu_compiled_for_a_tpu_needs_under_2_percent_of_xla():
   """Value + policy gradient compiled for one TPU v5e chip at T=8192, D=2048, V=128256 bf16 (policy and reference
   alike): the fused kernel against the two materialised [T, V] logits tensors."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from jalign.parallel import tpu_target
   mesh = tpu_target.chip_mesh("v5e:2x2")

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jalign.kernels import LogprobOptions, token_logprobs
 from jalign.models.sharding import make_mesh
@@ -144,6 +145,7 @@ def test_dpo_and_grpo_steps_agree_across_impls():
 
   from jalign import models
   from jalign.objectives import dpo, grpo
+  from jalign.rl.batch import RolloutBatch
 
   cfg = models.ModelConfig(vocab_size=288, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                            num_kv_heads=1, head_dim=16)
@@ -162,13 +164,13 @@ def test_dpo_and_grpo_steps_agree_across_impls():
          "response_mask": (np.arange(r)[None] < rng.randint(1, r + 1, (n, 1))).astype(np.int32),
          "advantages": rng.randn(n, r).astype(np.float32), "old_logp": -rng.rand(n, r).astype(np.float32) * 5,
          "ref_logp": -rng.rand(n, r).astype(np.float32) * 5}
-  seq["response"] = seq["tokens"][:, p:]
+  seq = RolloutBatch(response=seq["tokens"][:, p:], **seq)
   opts = lambda impl: LogprobOptions(impl=impl, chunk=100, interpret=impl.startswith("pallas"),  # noqa: E731
                                      blocks=(32, 96, 16) if impl.startswith("pallas") else ())
   cases = [(lambda impl: dpo.make_loss_fn(graphdef, dpo.DpoLossConfig(rpo_alpha=0.5), logprobs=opts(impl)), pairs),
            (lambda impl: grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(), opts(impl)), seq)]
   for make, batch in cases:
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    batch = jax.tree.map(jnp.asarray, batch)
     out = {}
     for impl in ("xla", "chunked", "pallas_gpu", "pallas_tpu"):
       fn = make(impl)

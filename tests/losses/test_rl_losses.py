@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jalign.losses import advantages as A, policy as P
+from jalign.losses import advantages as A
+from jalign.losses import policy as P
 
 B, T = 12, 7
 

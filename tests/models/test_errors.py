@@ -6,7 +6,8 @@ import shutil
 import numpy as np
 import pytest
 import safetensors.numpy
-from tokenizers import Tokenizer, models as tk_models
+from tokenizers import Tokenizer
+from tokenizers import models as tk_models
 
 from jalign import models
 from tests import hf_reference as ref

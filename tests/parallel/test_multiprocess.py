@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jalign.tasks import dpo as dpo_task, grpo, rm as reward_task, sft as sft_task
+from jalign.tasks import dpo as dpo_task
+from jalign.tasks import grpo
+from jalign.tasks import rm as reward_task
+from jalign.tasks import sft as sft_task
 from tests.configs_util import ROOT, run_config
 
 QUIET = dict(log__progress=False, log__tensorboard=False, checkpoint__async_save=False)
@@ -89,7 +92,6 @@ def _same_weights(a, b, atol=1e-6, outliers=0.0, outlier_atol=0.0):
     np.testing.assert_allclose(wb[name], wa[name], atol=max(atol, outlier_atol), err_msg=name)
 
 
-@pytest.mark.slow
 def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
   steps = dict(train__steps=4, train__log_every=1, checkpoint__every=2)
   one, two_then_one, one_then_two = (str(tmp_path / n) for n in ("one", "two_then_one", "one_then_two"))
@@ -107,7 +109,6 @@ def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
   _same_weights(one, one_then_two)  # written by process 0 after both gathered the sharded weights
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("task,keys", [
     ("dpo", ("train/loss", "rewards/margins", "logps/chosen")),
     ("rm", ("train/loss", "rewards/chosen", "margin")),
@@ -132,7 +133,6 @@ def test_preference_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=3e-5, outliers=1e-3, outlier_atol=2e-4)
 
 
-@pytest.mark.slow
 def test_async_grpo_on_two_processes_samples_on_a_rollout_mesh(tmp_path):
   """Asynchronous GRPO over two processes: the generation thread samples on devices set apart in each process
   (grpo.rollout_mesh), so its programs and the update's share no device and no collective; the run equals one
@@ -156,7 +156,6 @@ def test_async_grpo_on_two_processes_samples_on_a_rollout_mesh(tmp_path):
     assert p.returncode != 0 and "needs sampling on devices of its own: set grpo.rollout_mesh" in out, out[-3000:]
 
 
-@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
   """Only process 1 gets the preemption notice; JAX's preemption service tells process 0, both save the same step
   (one checkpoint, written together) and exit 143."""

@@ -4,10 +4,11 @@ step for a slice."""
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jalign.parallel import tpu_target
 from jalign import fit
+from jalign.parallel import tpu_target
 from tests.configs_util import run_config
 
 

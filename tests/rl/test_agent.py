@@ -12,6 +12,7 @@ from jalign.data.sources import open_source
 from jalign.rl.agentic import agent
 from jalign.rl.agentic import env as env_lib
 from jalign.tokenizers import tokenizer
+from tests import cli
 from tests.configs_util import ROOT
 from tests.realdata import path
 
@@ -104,13 +105,8 @@ def test_the_sampler_drives_the_tiny_policy():
 def test_grpo_trains_on_episodes(tmp_path):
   """grpo.env: the tiny GRPO config on one-answer episodes ("answer": no tools, the shipped policy knows none) runs
   end to end and logs the agent metrics, and a step's update batch masks exactly the model's tokens."""
-  import subprocess
-  import sys
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={tmp_path}",
-         "--config.log.progress=False", "--config.train.steps=2", "--config.train.log_every=1",
-         "--config.grpo.eval_examples=0", "--config.grpo.env=answer", "--config.grpo.env_max_turns=2"]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  cli.run("grpo.py:tiny", tmp_path, "--config.train.steps=2", "--config.train.log_every=1",
+          "--config.grpo.eval_examples=0", "--config.grpo.env=answer", "--config.grpo.env_max_turns=2", check=True)
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   steps = [r for r in rows if "agent/turns/mean" in r]
   assert [r["step"] for r in steps] == [1, 2]
@@ -120,21 +116,21 @@ def test_grpo_trains_on_episodes(tmp_path):
   assert any("actor/pg_loss" in r for r in steps) and 0 < np.mean([r["critic/score/mean"] for r in steps]) < 1
 
 
-def test_update_rows_mask_the_observations():
+def test_update_batch_masks_the_observations():
   from jalign.data.prompts import Prompt
+  from jalign.rl.batch import RolloutBatch
   from jalign.rl.groups import Groups
-  from jalign.rl.stage import update_rows
   response = np.array([[5, 6, 7, 8, 9, 0], [5, 6, 0, 0, 0, 0]])
   loss_mask = np.array([[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0]])
-  groups = Groups([Prompt(0, [1, 2, 3], "", "4", "x")], 2, response, np.array([5, 2]), np.zeros(2),
-                  loss_mask=loss_mask)
-  rows = update_rows(groups, 0)
-  assert rows["response_mask"].tolist() == loss_mask.tolist()
-  assert rows["segment_ids"][:, -6:].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]  # observations are read
+  groups = Groups(prompts=[Prompt(0, [1, 2, 3], "", "4", "x")], size=2, response=response, lengths=np.array([5, 2]),
+                  scores=np.zeros(2), loss_mask=loss_mask)
+  rows = RolloutBatch.of_groups(groups, 0)
+  assert rows.response_mask.tolist() == loss_mask.tolist()
+  assert rows.segment_ids[:, -6:].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]  # observations are read
 
 
 def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
-  """Episodes -> update rows -> PPO's advantages (rl.stage.advantages with a critic): the observations between the
+  """Episodes -> update batch -> PPO's advantages (rl.stage.advantages with a critic): the observations between the
   model's turns neither bootstrap nor accumulate, so each episode's GAE equals the textbook recursion (Schulman et
   al. 2016, NumPy here) run over its model tokens with the observations cut out, and is 0 on the observations. The
   outcome sits on the last model token."""
@@ -143,17 +139,19 @@ def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
   import jax.numpy as jnp
 
   from jalign.data.prompts import Prompt
+  from jalign.rl.batch import RolloutBatch
   from jalign.rl.config import GrpoSection
   from jalign.rl.groups import Groups
-  from jalign.rl.stage import advantages, update_rows
+  from jalign.rl.stage import advantages
   tok = tokenizer.load(path("tokenizers/qwen3"))
   answers = {RECORDS[0]["prompt"]: "7006652", RECORDS[1]["prompt"]: "9998"}
   out = agent.rollout(lambda: env_lib.make("calculator", max_turns=3), tok, RECORDS, 2,
                       _scripted(tok, final_answers=answers), max_turn_tokens=64, max_tokens=4096)
   prompts = [Prompt(i, out.prompt_ids[2 * i], "", r["answer"], "x") for i, r in enumerate(RECORDS)]
-  groups = Groups(prompts, 2, out.response, out.lengths, out.rewards, loss_mask=out.loss_mask)
-  rows = update_rows(groups, tok.pad_id)
-  mask = rows["response_mask"]
+  groups = Groups(prompts=prompts, size=2, response=out.response, lengths=out.lengths, scores=out.rewards,
+                  loss_mask=out.loss_mask)
+  rows = RolloutBatch.of_groups(groups, tok.pad_id)
+  mask = rows.response_mask
   values = np.random.RandomState(0).randn(*mask.shape).astype(np.float32)
 
   class Critic:  # a fixed value function: the test is of the advantage path, not of the critic's training
@@ -161,8 +159,9 @@ def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
       return jnp.asarray(values)
 
   g = dc.replace(GrpoSection(), adv_estimator="gae", gamma=0.9, lam=0.8)
-  device_batch = {k: jnp.asarray(v) for k, v in rows.items()}
-  adv, extra, _ = advantages(g, device_batch, out.rewards, np.repeat(np.arange(2), 2), Critic(), 0.0)
+  batch, _, _ = advantages(g, jax.tree.map(jnp.asarray, rows), groups, Critic(), 0.0,
+                           jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  adv, returns = np.asarray(batch.advantages), np.asarray(batch.returns)
   raw = []
   for k in range(len(out.rewards)):
     idx = np.flatnonzero(mask[k])
@@ -175,7 +174,7 @@ def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
       last = r[t] + 0.9 * next_v - v[t] + 0.9 * 0.8 * last
       gae[t] = last
     raw.append(gae)
-    np.testing.assert_allclose(extra["returns"][k, idx], gae + v, atol=1e-5)
+    np.testing.assert_allclose(returns[k, idx], gae + v, atol=1e-5)
   flat = np.concatenate(raw)
   whitened = (flat - flat.mean()) / np.sqrt(flat.var(ddof=1) + 1e-8)  # verl masked_whiten: over every model token
   np.testing.assert_allclose(np.concatenate([adv[k, np.flatnonzero(mask[k])] for k in range(len(raw))]), whitened,

@@ -7,8 +7,8 @@ import signal
 import numpy as np
 import pytest
 
-from jalign.rl.groups import Groups
 from jalign.data.prompts import Prompt
+from jalign.rl.groups import Groups
 from tests.train.crash_util import hf_weights, run_faulty
 
 ASYNC = ("--config.grpo.async_staleness=1", "--config.train.steps=4", "--config.checkpoint.async_save=False")
@@ -62,6 +62,7 @@ def test_rollout_mesh_samples_on_devices_set_apart(tmp_path):
 
 def test_rollout_mesh_takes_each_process_last_devices_and_bad_shapes_name_the_key():
   import jax
+
   from jalign import parallel
   devices = jax.devices()[:8]
   train, rollout = parallel.split_meshes((1, -1, 1), (2, 1, 1), devices)
@@ -77,9 +78,9 @@ def test_rollout_mesh_takes_each_process_last_devices_and_bad_shapes_name_the_ke
 
 def test_groups_round_trip_through_json_exactly():
   rng = np.random.RandomState(0)
-  g = Groups([Prompt(3, [1, 2], "q", "7", "f:3"), Prompt(5, [4], "r", None, "f:5")], 2,
-             rng.randint(0, 9, (4, 3)).astype(np.int32), np.asarray([1, 3, 2, 3], np.int32),
-             rng.rand(4).astype(np.float32), behaviour=np.log(rng.rand(4, 3)).astype(np.float32),
+  g = Groups(prompts=[Prompt(3, [1, 2], "q", "7", "f:3"), Prompt(5, [4], "r", None, "f:5")], size=2,
+             response=rng.randint(0, 9, (4, 3)).astype(np.int32), lengths=np.asarray([1, 3, 2, 3], np.int32),
+             scores=rng.rand(4).astype(np.float32), behaviour=np.log(rng.rand(4, 3)).astype(np.float32),
              sampler_logp=np.log(rng.rand(4, 3)).astype(np.float32))
   back = Groups.from_json(json.loads(json.dumps(g.to_json())))
   assert back.prompts == g.prompts and back.size == 2 and back.rm_scores is None

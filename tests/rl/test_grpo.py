@@ -1,8 +1,6 @@
 """Online GRPO end to end on the tiny config, its metrics, checkpoint resume, and bad configs."""
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,19 +8,18 @@ import numpy as np
 import pytest
 
 from jalign.core.errors import ConfigError
+from jalign.data.prompts import Prompt
+from jalign.rl.batch import RolloutBatch
 from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups
 from jalign.rl.stage import advantages
 from jalign.tasks import grpo as grpo_train
-from tests.configs_util import ROOT, run_config
+from tests import cli
+from tests.configs_util import run_config
 
 
 def _run(run_dir, *extra):
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={run_dir}",
-         "--config.log.progress=False", *extra]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-  return proc.stdout
+  return cli.run("grpo.py:tiny", run_dir, *extra, check=True).stdout
 
 
 def test_tiny_grpo_runs_and_reports(tmp_path):
@@ -88,8 +85,9 @@ def test_groups_select_takes_informative_groups_first():
   def batch(scores, first_prompt):
     scores = np.asarray(scores, np.float32)
     n = len(scores) // 2
-    return Groups([f"p{first_prompt + i}" for i in range(n)], 2, np.arange(len(scores))[:, None] + 10 * first_prompt,
-                  np.ones(len(scores), np.int32), scores)
+    return Groups(prompts=[f"p{first_prompt + i}" for i in range(n)], size=2,
+                  response=np.arange(len(scores))[:, None] + 10 * first_prompt, lengths=np.ones(len(scores), np.int32),
+                  scores=scores)
   a = batch([1, 1, 0, 1, 0, 0], 0)       # groups p0 (equal), p1 (informative), p2 (equal)
   b = batch([0, 1, 1, 1, 1, 0], 3)       # p3 (informative), p4 (equal), p5 (informative)
   np.testing.assert_array_equal(a.informative(), [False, True, False])
@@ -171,9 +169,14 @@ def test_remax_advantages_subtract_the_greedy_reward():
   # reward minus the reward of the same prompt's greedy response.
   mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]], np.int32)
   scores, baselines = np.array([1.0, 0.0, 0.5], np.float32), np.array([0.0, 1.0, 0.5], np.float32)
-  adv, _, metrics = advantages(GrpoSection(adv_estimator="remax"), {"response_mask": jnp.asarray(mask)}, scores,
-                                np.array([0, 0, 1]), None, 0.0, baselines)
-  np.testing.assert_allclose(adv, (scores - baselines)[:, None] * mask)
+  groups = Groups(prompts=[Prompt(0, [1], "", None, "")], size=3, response=np.ones((3, 3), np.int32),
+                  lengths=mask.sum(1), scores=scores, baselines=baselines)
+  batch = RolloutBatch.of_groups(groups, 0)
+  np.testing.assert_array_equal(batch.response_mask, mask)
+  batch, metrics, no_signal = advantages(GrpoSection(adv_estimator="remax"), batch, groups, None, 0.0,
+                                         jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  np.testing.assert_allclose(batch.advantages, (scores - baselines)[:, None] * mask)
+  assert not no_signal
   assert metrics["critic/remax_baseline/mean"] == pytest.approx(0.5)
 
 
@@ -185,9 +188,7 @@ def test_remax_runs_online(tmp_path):
 
 
 def test_offline_grpo_reads_the_rollout_buffer(tmp_path):
-  subprocess.run([sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/rollout.py:tiny",
-                  f"--config.run_dir={tmp_path / 'rollout'}", "--config.rollout.prompts=synthetic:arith:train:16"],
-                 cwd=ROOT, check=True, capture_output=True, timeout=600)
+  cli.run("rollout.py:tiny", tmp_path / "rollout", "--config.rollout.prompts=synthetic:arith:train:16", check=True)
   _run(tmp_path / "offline", f"--config.grpo.buffer={tmp_path / 'rollout' / 'buffer'}",
        "--config.train.steps=2", "--config.grpo.eval_prompts=")
   rows = [json.loads(l) for l in open(tmp_path / "offline" / "metrics.jsonl")]
@@ -239,8 +240,7 @@ def _tiny_batch(rng, n=4, p=6, r=5):
            "segment_ids": jnp.ones((n, p + r), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(p + r), (n, p + r)),
            "response_mask": jnp.asarray(np.arange(r)[None] < rng.randint(1, r + 1, (n, 1)), jnp.int32),
            "advantages": jnp.asarray(rng.randn(n, r), jnp.float32)}
-  batch["response"] = batch["tokens"][:, p:]
-  return batch
+  return RolloutBatch(response=batch["tokens"][:, p:], **batch)
 
 
 def test_on_policy_update_skips_the_old_policy_forward():
@@ -251,9 +251,9 @@ def test_on_policy_update_skips_the_old_policy_forward():
   graphdef, params = _tiny_model()
   rng = np.random.RandomState(0)
   batch = _tiny_batch(rng)
-  batch["ref_logp"] = jnp.asarray(-rng.rand(*batch["response"].shape) * 4)
+  batch = batch.replace(ref_logp=jnp.asarray(-rng.rand(*batch.response.shape) * 4))
   loss_fn = grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(kl_coef=0.1, entropy_coef=0.01))
-  with_old = {**batch, "old_logp": grpo.response_logprobs(graphdef, params, batch, 1.0)[0]}
+  with_old = batch.replace(old_logp=grpo.response_logprobs(graphdef, params, batch, 1.0)[0])
   a = jax.value_and_grad(lambda prm: loss_fn(prm, batch)[0])(params)
   b = jax.value_and_grad(lambda prm: loss_fn(prm, with_old)[0])(params)
   np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
@@ -270,15 +270,15 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
   graphdef, params = _tiny_model()
   rng = np.random.RandomState(1)
   batch = _tiny_batch(rng)
-  n, r = batch["response"].shape
+  n, r = batch.response.shape
   logp = np.asarray(grpo.response_logprobs(graphdef, params, batch, 1.0)[0])
   behaviour = logp + rng.randn(n, r) * 0.8  # a stale behaviour policy: weights on both sides of 1 and over the cap
   weights = np.minimum(np.exp(logp - behaviour), 1.5)
-  mask = np.asarray(batch["response_mask"], np.float32)
+  mask = np.asarray(batch.response_mask, np.float32)
   assert (weights[mask > 0] == 1.5).any() and (weights[mask > 0] < 1.0).any()
   cfg = grpo.GrpoLossConfig(kl_coef=0.0, rollout_is="token", rollout_is_threshold=1.5)
-  tis = {**batch, "behaviour_logp": jnp.asarray(behaviour, jnp.float32)}
-  scaled = {**batch, "advantages": batch["advantages"] * weights}
+  tis = batch.replace(behaviour_logp=jnp.asarray(behaviour, jnp.float32))
+  scaled = batch.replace(advantages=batch.advantages * weights)
   a = jax.value_and_grad(lambda prm: (lambda o: o[0] / o[1])(grpo.make_loss_fn(graphdef, cfg)(prm, tis)))(params)
   b = jax.value_and_grad(lambda prm: (lambda o: o[0] / o[1])(
       grpo.make_loss_fn(graphdef, grpo.GrpoLossConfig(kl_coef=0.0))(prm, scaled)))(params)
@@ -286,9 +286,9 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
   for ga, gb in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
     np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-7)
   old = logp + rng.randn(n, r) * 0.3
-  num, den, sums = grpo.make_loss_fn(graphdef, cfg)(params, {**tis, "old_logp": jnp.asarray(old, jnp.float32)})
+  num, den, sums = grpo.make_loss_fn(graphdef, cfg)(params, tis.replace(old_logp=jnp.asarray(old, jnp.float32)))
   ratio = np.exp(logp - old)
-  adv = np.asarray(batch["advantages"])
+  adv = np.asarray(batch.advantages)
   per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28)) * np.minimum(np.exp(old - behaviour), 1.5)
   np.testing.assert_allclose(num / den, (per_token * mask).sum() / mask.sum(), rtol=1e-4)
   np.testing.assert_allclose(sums["mismatch/rollout_is_mean"] / den,
@@ -307,9 +307,9 @@ def test_rollout_corrections_equal_numpy(is_level, rs_level):
   graphdef, params = _tiny_model()
   rng = np.random.RandomState(2)
   batch = _tiny_batch(rng)
-  n, r = batch["response"].shape
+  n, r = batch.response.shape
   logp = np.asarray(grpo.response_logprobs(graphdef, params, batch, 1.0)[0], np.float64)
-  mask = np.asarray(batch["response_mask"], np.float64)
+  mask = np.asarray(batch.response_mask, np.float64)
   old = logp + rng.randn(n, r) * 0.2
   behaviour = old + rng.randn(n, r) * 0.4
   log_ratio = (old - behaviour) * mask
@@ -324,13 +324,13 @@ def test_rollout_corrections_equal_numpy(is_level, rs_level):
   kept = mask * keep
   assert 0 < kept.sum() < mask.sum() or not rs_level  # the bounds cut something, not everything
   ratio = np.exp(logp - old)
-  adv = np.asarray(batch["advantages"], np.float64)
+  adv = np.asarray(batch.advantages, np.float64)
   per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28)) * weights
   cfg = grpo.GrpoLossConfig(kl_coef=0.0, rollout_is=is_level, rollout_rs=rs_level, rollout_rs_threshold=1.25,
                             rollout_rs_threshold_lower=0.8)
   f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-  num, den, sums = grpo.make_loss_fn(graphdef, cfg)(params, {**batch, "old_logp": f32(old),
-                                                             "behaviour_logp": f32(behaviour)})
+  num, den, sums = grpo.make_loss_fn(graphdef, cfg)(params, batch.replace(old_logp=f32(old),
+                                                                          behaviour_logp=f32(behaviour)))
   np.testing.assert_allclose(den, kept.sum(), rtol=1e-6)
   np.testing.assert_allclose(num / den, (per_token * kept).sum() / kept.sum(), rtol=1e-4)
   if rs_level:
@@ -368,11 +368,12 @@ def test_shared_prompts_equal_the_full_forward(r):
   response_mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
   response = rng.randint(1, 64, (groups * g, r)) * response_mask
   segment = np.concatenate([np.repeat(prompt_mask, g, 0), response_mask], 1)
-  batch = {"tokens": jnp.asarray(np.concatenate([np.repeat(prompt, g, 0), response], 1), jnp.int32),
-           "segment_ids": jnp.asarray(segment), "positions": jnp.asarray(np.maximum(np.cumsum(segment, 1) - 1, 0)),
-           "response": jnp.asarray(response, jnp.int32), "response_mask": jnp.asarray(response_mask),
-           "advantages": jnp.asarray(rng.randn(groups * g, r), jnp.float32),
-           "ref_logp": jnp.asarray(-rng.rand(groups * g, r) * 4, jnp.float32)}
+  batch = RolloutBatch(
+      tokens=jnp.asarray(np.concatenate([np.repeat(prompt, g, 0), response], 1), jnp.int32),
+      segment_ids=jnp.asarray(segment), positions=jnp.asarray(np.maximum(np.cumsum(segment, 1) - 1, 0)),
+      response=jnp.asarray(response, jnp.int32), response_mask=jnp.asarray(response_mask),
+      advantages=jnp.asarray(rng.randn(groups * g, r), jnp.float32),
+      ref_logp=jnp.asarray(-rng.rand(groups * g, r) * 4, jnp.float32))
   full = grpo.response_logprobs(graphdef, params, batch, 1.0)
   shared = grpo.response_logprobs(graphdef, params, batch, 1.0, group_size=g)
   mask = response_mask.astype(bool)

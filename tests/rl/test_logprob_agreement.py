@@ -1,11 +1,10 @@
 """On-policy by construction: the sampler's log-probs of the tokens it drew equal the trainer's forward over the same
-rows (GRPO's `objectives.grpo.response_logprobs` on `rl.rollout.model_rows`) in fp32, whatever else shares the batch
-(other prompts, other prompt widths, other orders, other cache slots), and GRPO logs the difference every logged step."""
+rows (GRPO's `objectives.grpo.response_logprobs` on `rl.batch.RolloutBatch.of_rows`) in fp32, whatever else shares
+the batch (other prompts, other prompt widths, other orders, other cache slots), and GRPO logs the difference every
+logged step."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,8 +15,10 @@ from jalign.data.prompts import encode_prompt
 from jalign.data.sources import open_source
 from jalign.objectives import grpo as objective
 from jalign.rl import rollout
+from jalign.rl.batch import RolloutBatch
 from jalign.rl.stage import logprob_agreement
 from jalign.tokenizers import tokenizer
+from tests import cli
 from tests.configs_util import ROOT
 
 ASSETS = os.path.join(ROOT, "jalign", "assets")
@@ -25,9 +26,9 @@ ASSETS = os.path.join(ROOT, "jalign", "assets")
 
 def _trainer_logp(lm, samples: rollout.Samples, pad_id: int, temperature: float) -> np.ndarray:
   graphdef, params = nnx.split(lm)
-  batch = rollout.model_rows(*samples.prompt_arrays(pad_id), samples.tokens, samples.lengths)
+  batch = RolloutBatch.of_rows(*samples.prompt_arrays(pad_id), samples.tokens, samples.lengths)
   fn = jax.jit(lambda p, b: objective.response_logprobs(graphdef, p, b, temperature)[0])
-  return np.asarray(fn(params, {k: jax.numpy.asarray(v) for k, v in batch.items()}))
+  return np.asarray(fn(params, jax.tree.map(jax.numpy.asarray, batch)))
 
 
 def test_sampler_logprobs_equal_the_trainers_for_any_batch_composition():
@@ -77,11 +78,8 @@ def test_logprob_agreement_masks_padding():
 
 
 def test_grpo_logs_rollout_agreement(tmp_path):
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={tmp_path}",
-         "--config.log.progress=False", "--config.train.steps=2", "--config.train.log_every=1",
-         "--config.grpo.eval_examples=0"]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  cli.run("grpo.py:tiny", tmp_path, "--config.train.steps=2", "--config.train.log_every=1",
+          "--config.grpo.eval_examples=0", check=True)
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   steps = [r for r in rows if "rollout/logprob_abs_diff_max" in r]
   assert [r["step"] for r in steps] == [1, 2]
@@ -99,20 +97,17 @@ def test_filtered_sampling_is_compared_over_the_same_kept_set(tmp_path):
   sampled = rollout.sample(lm, tok, prompts, jax.random.key(1), spec)
   mask = np.arange(sampled.tokens.shape[1])[None] < sampled.lengths[:, None]
   graphdef, params = nnx.split(lm)
-  batch = {k: jax.numpy.asarray(v) for k, v in rollout.model_rows(*sampled.prompt_arrays(tok.pad_id), sampled.tokens,
-                                                                 sampled.lengths).items()}
+  batch = jax.tree.map(jax.numpy.asarray, RolloutBatch.of_rows(*sampled.prompt_arrays(tok.pad_id), sampled.tokens,
+                                                               sampled.lengths))
   kept = np.asarray(objective.kept_logprobs(graphdef, params, batch, temperature=1.3, top_k=6, top_p=0.9))
   full = _trainer_logp(lm, sampled, tok.pad_id, 1.3)
   np.testing.assert_allclose(np.where(mask, kept, 0), np.where(mask, sampled.logprobs, 0), atol=1e-5)
   assert np.max(np.abs(np.where(mask, full - sampled.logprobs, 0))) > 0.05  # the full softmax is off by the kept mass
 
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={tmp_path}",
-         "--config.log.progress=False", "--config.train.steps=2", "--config.train.log_every=1",
-         "--config.grpo.eval_examples=0", "--config.sampling.top_p=0.9", "--config.sampling.top_k=6",
-         "--config.grpo.async_staleness=1", "--config.grpo.rollout_is=token", "--config.grpo.rollout_rs=token",
-         "--config.grpo.mini_batches=1"]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  cli.run("grpo.py:tiny", tmp_path, "--config.train.steps=2", "--config.train.log_every=1",
+          "--config.grpo.eval_examples=0", "--config.sampling.top_p=0.9", "--config.sampling.top_k=6",
+          "--config.grpo.async_staleness=1", "--config.grpo.rollout_is=token", "--config.grpo.rollout_rs=token",
+          "--config.grpo.mini_batches=1", check=True)
   steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "actor/pg_loss" in line]
   # Step 1 trains on the initial policy's rollouts (lag 0): over the kept set the weights are 1, none masked.
   assert steps[0]["rollout/logprob_abs_diff_max"] < 1e-4

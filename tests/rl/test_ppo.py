@@ -2,8 +2,6 @@
 version of verl's recipe, the tiny config end to end with exact resume of the critic and the adaptive KL
 coefficient, and bad configs."""
 import json
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,17 +13,20 @@ from jalign.core.errors import ConfigError
 from jalign.losses import advantages as adv_lib
 from jalign.losses import policy
 from jalign.objectives import ppo
-from tests.configs_util import ROOT, run_config
+from jalign.rl.batch import RolloutBatch
+from tests import cli
+from tests.configs_util import run_config
 
 
 def _batch(rng, n=4, p=5, r=6, vocab=64):
   lengths = rng.randint(1, r + 1, n)  # includes length-1 responses
   mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
   tokens = rng.randint(1, vocab, (n, p + r)).astype(np.int32)
-  return {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((n, p + r), jnp.int32),
-          "positions": jnp.broadcast_to(jnp.arange(p + r, dtype=jnp.int32), (n, p + r)),
-          "response": jnp.asarray(tokens[:, p:]), "response_mask": jnp.asarray(mask),
-          "returns": jnp.asarray(rng.randn(n, r), jnp.float32), "old_values": jnp.asarray(rng.randn(n, r), jnp.float32)}
+  return RolloutBatch(tokens=jnp.asarray(tokens), segment_ids=jnp.ones((n, p + r), jnp.int32),
+                      positions=jnp.broadcast_to(jnp.arange(p + r, dtype=jnp.int32), (n, p + r)),
+                      response=jnp.asarray(tokens[:, p:]), response_mask=jnp.asarray(mask),
+                      returns=jnp.asarray(rng.randn(n, r), jnp.float32),
+                      old_values=jnp.asarray(rng.randn(n, r), jnp.float32))
 
 
 def test_values_read_the_state_before_each_response_token_and_the_value_loss_is_verls():
@@ -37,14 +38,14 @@ def test_values_read_the_state_before_each_response_token_and_the_value_loss_is_
   rng = np.random.RandomState(0)
   batch = _batch(rng)
   values = np.asarray(ppo.response_values(graphdef, params, batch))
-  hidden, _ = critic.backbone.forward(batch["tokens"])
+  hidden, _ = critic.backbone.forward(batch.tokens)
   w, b = np.asarray(critic.head.w_out[...]), np.asarray(critic.head.b_out[...])
   want = np.asarray(hidden)[:, 4:10] @ w[:, 0] + b[0]  # positions p-1 .. p+r-2
   np.testing.assert_allclose(values, want, rtol=1e-5, atol=1e-5)
 
   num, den, sums = ppo.make_value_loss_fn(graphdef, ppo.ValueLossConfig(clip=0.2))(params, batch)
-  m = np.asarray(batch["response_mask"], np.float64)
-  ret, old = np.asarray(batch["returns"]), np.asarray(batch["old_values"])
+  m = np.asarray(batch.response_mask, np.float64)
+  ret, old = np.asarray(batch.returns), np.asarray(batch.old_values)
   clipped = np.clip(values, old - 0.2, old + 0.2)
   l1, l2 = (values - ret) ** 2, (clipped - ret) ** 2
   np.testing.assert_allclose(float(num / den), 0.5 * np.sum(np.maximum(l1, l2) * m) / m.sum(), rtol=1e-5)
@@ -93,14 +94,10 @@ def test_adaptive_kl_controller_matches_ziegler():
 
 
 def _run(run_dir, *extra):
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/ppo.py:tiny", f"--config.run_dir={run_dir}",
-         "--config.log.progress=False", "--config.checkpoint.async_save=False", *extra]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  cli.run("ppo.py:tiny", run_dir, "--config.checkpoint.async_save=False", *extra, check=True)
   return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-@pytest.mark.slow
 def test_tiny_ppo_runs_and_resumes_the_critic_and_kl_coefficient_exactly(tmp_path):
   straight = [r for r in _run(tmp_path / "a") if "critic/vf_loss" in r]
   assert [r["step"] for r in straight] == [1, 2, 3]

@@ -2,8 +2,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,17 +9,12 @@ import pytest
 
 from jalign.data.prompts import PromptError
 from jalign.rl import buffer
-from tests.configs_util import ROOT, run_config
+from tests import cli
+from tests.configs_util import run_config
 
 
 def _run(run_dir, *extra, env=None, check=True):
-  cmd = [sys.executable, os.path.join(ROOT, "tests", "train", "faulty_run.py"),
-         f"--config={ROOT}/configs/rollout.py:tiny", f"--config.run_dir={run_dir}", *extra]
-  proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
-  if check and proc.returncode != 0:
-    raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-  return proc
+  return cli.run("rollout.py:tiny", run_dir, *extra, program=cli.FAULTY, env=env, check=check, timeout=300)
 
 
 def test_buffer_contents(tmp_path):

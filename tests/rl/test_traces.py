@@ -3,8 +3,6 @@ traces are what the command regenerates, each one is solved, SFT trains exactly 
 conversation produces, and the tiny demo runs end to end with the agent metrics and both accuracies."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from jalign.rl.agentic import env as env_lib
 from jalign.rl.agentic import traces
 from jalign.rl.agentic.episode import Episode
 from jalign.tokenizers import tokenizer
-from tests.configs_util import ROOT
+from tests import cli
 
 ASSETS = os.path.join(os.path.dirname(jalign.__file__), "assets")
 SHIPPED = os.path.join(ASSETS, "agent_traces", "train.jsonl")
@@ -86,10 +84,7 @@ def test_mul_task_is_held_out_and_beyond_the_tiny_policy():
 def test_agent_demo_tiny_runs_and_logs_the_agent_metrics(tmp_path):
   """configs/agent.py:tiny: SFT on the traces, then GRPO on calculator episodes; the agent metrics every step and
   the held-out accuracy with and without tools, before and after GRPO."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/agent.py:tiny", f"--config.run_dir={tmp_path}"]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  proc = cli.run("agent.py:tiny", tmp_path, one_device=True, check=True, timeout=900)
   rows = [json.loads(line) for line in open(tmp_path / "2_grpo" / "metrics.jsonl")]
   steps = [r for r in rows if "agent/turns/mean" in r]
   assert [r["step"] for r in steps] == [1, 2]

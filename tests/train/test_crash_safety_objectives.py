@@ -42,7 +42,6 @@ def clean(request, tmp_path_factory):
   return request.param, str(run_dir / "run"), float(open(timing).read())
 
 
-@pytest.mark.slow
 def test_five_random_sigkills_then_resume_is_bitwise_equal(clean, tmp_path):
   task, clean_dir, train_s = clean
   rng = random.Random(f"{SEED}:{task}")

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests import cli
 from tests.configs_util import ROOT
 from tests.train.crash_util import hf_weights, run_faulty
 
@@ -18,9 +19,7 @@ NOISE = ("E0000", "InitGoogle", "libtpu", "Source Location", "host bounds", "TPU
 
 
 def _cli(run_dir, *flags, config="sft.py:tiny", timeout=300):
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/{config}", f"--config.run_dir={run_dir}",
-         "--config.log.progress=False", *flags]
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+  return cli.run(config, run_dir, *flags, timeout=timeout)
 
 
 def _jsonl(path, records):
@@ -126,9 +125,8 @@ def test_a_second_ctrl_c_exits_at_once_without_waiting_for_the_save(tmp_path):
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_a_signal_before_the_first_step_exits_at_once_saying_nothing_was_saved(tmp_path, name):
   run_dir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py:tiny", f"--config.run_dir={run_dir}",
-         "--config.log.progress=False"]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(cli.command("sft.py:tiny", run_dir), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 120
   while not os.path.exists(run_dir / ".lock"):  # start-up under way: the data read, the model built next
     assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
@@ -167,8 +165,7 @@ def test_two_runs_in_one_run_dir_the_second_ends_naming_the_first(tmp_path):
 
 def test_two_runs_started_together_one_runs_one_ends_with_an_error(tmp_path):
   run_dir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py:tiny", f"--config.run_dir={run_dir}",
-         "--config.log.progress=False", "--config.train.steps=30"]
+  cmd = cli.command("sft.py:tiny", run_dir, "--config.train.steps=30")
   procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for _ in range(2)]
   results = [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
@@ -198,16 +195,13 @@ def test_a_run_dir_that_cannot_be_created_or_written_is_a_user_error(tmp_path, w
 
 
 def test_help_exits_0_and_says_how_to_list_keys():
-  proc = subprocess.run([sys.executable, "-m", "jalign.run", "--help"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120)
+  proc = cli.run(None, None, "--help", timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.startswith("usage: python -m jalign.run --config=") and "--list_keys" in proc.stdout
 
 
 def test_list_keys_prints_every_key_with_value_type_and_bounds(tmp_path):
-  proc = subprocess.run([sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny",
-                         "--config.train.steps=7", "--list_keys"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120)
+  proc = cli.run("grpo.py:tiny", None, "--config.train.steps=7", "--list_keys", timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = _lines(proc.stdout)
   assert "config.train.steps = 7  (int, > 0)" in lines  # the override applied

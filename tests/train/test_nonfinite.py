@@ -5,8 +5,6 @@ GRPO). Also the step itself, in isolation."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +13,13 @@ import optax
 from safetensors.numpy import load_file
 
 from jalign.train.step import TrainState, make_step
-from tests.configs_util import ROOT
+from tests import cli
 
 
 def _run(run_dir, *extra):
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py:tiny", f"--config.run_dir={run_dir}",
-         "--config.log.progress=False", "--config.train.steps=6", "--config.checkpoint.every=1",
-         "--config.checkpoint.async_save=False", "--config.optim.lr=1e35", "--config.optim.schedule=constant",
-         "--config.train.eval_examples=0", *extra]
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  return cli.run("sft.py:tiny", run_dir, "--config.train.steps=6", "--config.checkpoint.every=1",
+                 "--config.checkpoint.async_save=False", "--config.optim.lr=1e35", "--config.optim.schedule=constant",
+                 "--config.train.eval_examples=0", *extra)
 
 
 def test_divergence_stops_with_the_step_records_and_last_good_checkpoint(tmp_path):
@@ -73,12 +69,9 @@ def test_step_keeps_params_and_optimizer_state_on_a_nan_batch():
 
 
 def test_grpo_divergence_with_skip_counts_updates_and_keeps_finite_weights(tmp_path):
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", f"--config.run_dir={tmp_path}",
-         "--config.log.progress=False", "--config.train.steps=3", "--config.optim.lr=1e35",
-         "--config.optim.schedule=constant", "--config.grpo.eval_examples=0", "--config.train.nonfinite=skip",
-         "--config.train.log_every=1"]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  proc = cli.run("grpo.py:tiny", tmp_path, "--config.train.steps=3", "--config.optim.lr=1e35",
+                 "--config.optim.schedule=constant", "--config.grpo.eval_examples=0", "--config.train.nonfinite=skip",
+                 "--config.train.log_every=1", check=True)
   assert "non-finite loss or gradient; update skipped (1 so far)" in proc.stdout
   counts = [json.loads(line).get("train/skipped_nonfinite") for line in open(tmp_path / "metrics.jsonl")]
   counts = [c for c in counts if c is not None]

@@ -3,24 +3,20 @@ in its third stage: rerun with the same command it does not rerun the first two 
 checkpoint and ends with the same weights and evaluation as the uninterrupted run."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from jalign.core.errors import ConfigError
 from jalign.eval import report
 from jalign.tasks import chain as pipeline
-from tests.configs_util import ROOT, config_dict
+from tests import cli
+from tests.configs_util import config_dict
 
 STAGES = ("0_base", "1_sft", "2_rm", "3_grpo", "4_dpo")
 
 
 def _pipeline(run_dir, env=None, faulty=False):
-  script = [os.path.join(ROOT, "tests", "train", "faulty_run.py")] if faulty else ["-m", "jalign.run"]
-  return subprocess.run([sys.executable, *script, f"--config={ROOT}/configs/pipeline.py:tiny",
-                         f"--config.run_dir={run_dir}"], cwd=ROOT, env={**os.environ, **(env or {})},
-                        capture_output=True, text=True, timeout=900)
+  return cli.run("pipeline.py:tiny", run_dir, program=cli.FAULTY if faulty else "jalign.run", env=env, timeout=900)
 
 
 def _read(path):
@@ -28,7 +24,6 @@ def _read(path):
     return f.read()
 
 
-@pytest.mark.slow
 def test_pipeline_runs_every_stage_and_resumes_inside_the_third(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _pipeline(straight)

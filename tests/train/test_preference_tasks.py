@@ -12,7 +12,8 @@ from jalign.core.errors import ConfigError
 from jalign.tasks import dpo as dpo_task
 from jalign.tasks import rm as reward_task
 from jalign.tokenizers import tokenizer
-from tests.configs_util import ROOT, run_as_user, run_config
+from tests import cli
+from tests.configs_util import ROOT, run_config
 
 ASSETS = os.path.join(ROOT, "jalign", "assets")
 PAIRS = [json.loads(line) for line in open(os.path.join(ASSETS, "arith_prefs", "test.jsonl"))][:8]
@@ -336,12 +337,11 @@ def test_kto_batches_pair_each_prompt_with_another_completion():
                                   np.concatenate([prompt, completion]))
 
 
-@pytest.mark.slow
 @pytest.mark.long  # ~15 minutes alone on 2 AVX2 cores: `python -m pytest -m long`
 def test_rm_config_reaches_its_held_out_targets(tmp_path):
   """`python -m jalign.run --config=configs/rm.py` as a user runs it (one CPU device): the two-member ensemble ranks
   the held-out pairs of the policy's own mistakes >= 0.9 pairwise and >= 0.8 Spearman against the gold scores."""
-  out = run_as_user("rm", tmp_path)
+  out = cli.run("rm.py", tmp_path, "--config.log.tensorboard=False", one_device=True, timeout=3600)
   assert out.returncode == 0, out.stderr[-3000:]
   done = [line for line in out.stdout.splitlines() if line.startswith("done: ")][-1]
   final = dict(item.split("=") for item in done.removeprefix("done: ").split())

@@ -3,12 +3,12 @@ included); restore onto another mesh; SIGTERM saves and exits cleanly."""
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
+from tests import cli
 from tests.configs_util import ROOT
 from tests.train.crash_util import hf_weights, run_faulty
 
@@ -61,9 +61,8 @@ def test_restore_onto_a_different_mesh(uninterrupted, tmp_path):
 
 def test_sigterm_saves_and_exits_143(tmp_path):
   run_dir = str(tmp_path / "run")
-  cmd = [sys.executable, "-m", "jalign.run", f"--config={ROOT}/configs/sft.py:tiny", f"--config.run_dir={run_dir}",
-         "--config.train.steps=100000", "--config.checkpoint.every=0", "--config.log.progress=False",
-         "--config.train.log_every=1"]
+  cmd = cli.command("sft.py:tiny", run_dir, "--config.train.steps=100000", "--config.checkpoint.every=0",
+                    "--config.train.log_every=1")
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   metrics = os.path.join(run_dir, "metrics.jsonl")
   deadline = time.time() + 120

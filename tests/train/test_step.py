@@ -9,9 +9,10 @@ import pytest
 from jalign import parallel
 from jalign.data import sft as sft_data
 from jalign.objectives import sft
-from jalign.train import loop, optimizer as optim_lib
-from jalign.train.task import data_iterator, global_batch
+from jalign.train import loop
+from jalign.train import optimizer as optim_lib
 from jalign.train.step import make_step
+from jalign.train.task import data_iterator, global_batch
 from tests.configs_util import run_config
 
 
