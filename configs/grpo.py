@@ -21,7 +21,7 @@ def get_config(arg=None):
   c.run_dir = "runs/grpo"
   c.model.path = os.path.join(ASSETS, "tiny_policy")
   # 1300 steps x 64 prompts x 8 samples, lr 2e-4 with warmup and cosine decay: about 8-10 minutes on 2 CPU cores.
-  c.train.update(steps=1300, batch_size=8, seq_len=128, eval_every=150, eval_batches=1, eval_examples=0)
+  c.train.update(steps=1300, seq_len=128, eval_every=150)
   c.optim.update(lr=2e-4, warmup_steps=20, min_lr_ratio=0.1)
   c.sampling.update(max_new_tokens=8, num_samples=8, max_prompt_length=48)
   # One on-policy update per step over 64 prompts x 8 samples (no separate old-policy forward). No KL term in the

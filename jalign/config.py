@@ -108,6 +108,25 @@ class RunConfig:
   eval: EvalSection = EvalSection()    # held-out evaluation of a checkpoint (jalign.eval.policy)
 
 
+# The sections each task reads (`jalign.tasks`), and the keys of a section it reads that it leaves to its own section.
+# A value other than the default anywhere else is a ConfigError: a setting is never dropped without a word.
+_COMMON = ("model", "data", "log", "distributed")
+_TRAINING = _COMMON + ("mesh", "train", "optim", "checkpoint")
+READS = {
+    "sft": _TRAINING + ("logprobs",),
+    "rm": _TRAINING + ("rm",),
+    "dpo": _TRAINING + ("logprobs", "dpo", "reward"),   # the reward: the verifier of the held-out win rate
+    "grpo": _TRAINING + ("logprobs", "sampling", "reward", "grpo"),
+    "ppo": _TRAINING + ("logprobs", "sampling", "reward", "grpo"),
+    "rollout": _COMMON + ("mesh", "sampling", "reward", "rollout"),
+    "eval": _COMMON + ("eval",),
+}
+_RL_TRAIN = {"batch_size": "a step's batch is grpo.prompts_per_step x sampling.num_samples completions",
+             "micro_batches": "a step's updates are grpo.mini_batches",
+             "eval_batches": "held-out prompts are grpo.eval_prompts", "eval_examples": "see grpo.eval_examples"}
+UNREAD_KEYS = {"grpo": {"train": _RL_TRAIN}, "ppo": {"train": _RL_TRAIN}}
+
+
 def defaults() -> ml_collections.ConfigDict:
   """Every key of the run config with its default: configs/*.py start from it and state only what they change."""
   return sections.defaults(RunConfig())
@@ -130,7 +149,9 @@ def validate(values, num_devices: int) -> RunConfig:
                       f"{num_devices} are available")
   sizes = [s if s != -1 else num_devices // fixed for s in m.shape]
   dp = sizes[0] * sizes[1]
-  if t.batch_size % (dp * t.micro_batches):
+  _check_reads(cfg)
+  if "train" in READS[cfg.task] and "batch_size" not in UNREAD_KEYS.get(cfg.task, {}).get("train", {}) and \
+      t.batch_size % (dp * t.micro_batches):
     raise ConfigError(f"config.train.batch_size={t.batch_size} is not divisible by data-parallel size "
                       f"(data x fsdp = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
                       f"{dp * t.micro_batches}")
@@ -139,7 +160,7 @@ def validate(values, num_devices: int) -> RunConfig:
     cfg.rm.check(export_hf=cfg.checkpoint.export_hf)
   if cfg.task == "dpo":
     cfg.dpo.check()
-  if cfg.task in ("rollout", "grpo", "ppo", "eval"):
+  if cfg.task in ("rollout", "grpo", "ppo"):
     cfg.sampling.check()
   if cfg.task in ("rollout", "grpo", "ppo"):
     cfg.rollout.check(cfg.task, cfg.run_dir)
@@ -158,6 +179,25 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError(f"config.model.path={cfg.model.path!r} is a reward-model ensemble (several checkpoints); use "
                       "one of its numbered member directories, or pass the ensemble as reward.model")
   return cfg
+
+
+def _check_reads(cfg: RunConfig) -> None:
+  """A ConfigError naming the first setting `cfg.task` does not read (`READS`, `UNREAD_KEYS`) that differs from its
+  default."""
+  default, reads = RunConfig(), READS[cfg.task]
+  for field in dataclasses.fields(RunConfig):
+    section = getattr(cfg, field.name)
+    if not dataclasses.is_dataclass(section):
+      continue
+    unread = {f.name: "" for f in dataclasses.fields(section)} if field.name not in reads else \
+        UNREAD_KEYS.get(cfg.task, {}).get(field.name, {})
+    for key, instead in unread.items():
+      value, base = getattr(section, key), getattr(getattr(default, field.name), key)
+      if value != base:
+        what = f"config.{field.name}.{key}; {instead}" if instead else \
+            f"config.{field.name} (it reads {', '.join(reads)})"
+        raise ConfigError(f"config.{field.name}.{key}={value!r}: the {cfg.task} task does not read {what}. Leave it "
+                          f"at its default ({base!r}) or remove the setting")
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -217,6 +257,12 @@ def reference_page() -> str:
       "any key on the command line and `--list_keys` prints a config's values. A chain (`configs/pipeline.py`) has",
       "its own keys (task, run_dir, base_model, order, rm_weight, stages, eval, distributed); each stage is a run",
       "config.", "",
+      "A task reads only some sections; a value other than the default in one it does not read is an error (as is",
+      "one in the keys a task leaves to its own section), never a setting dropped without a word:", "",
+      "| task | sections it reads | keys it does not read |", "| --- | --- | --- |",
+      *(f"| {task} | {', '.join(reads)} | "
+        f"{', '.join(f'{s}.{k} ({why})' for s, keys in UNREAD_KEYS.get(task, {}).items() for k, why in keys.items())} |"
+        for task, reads in READS.items()), "",
       *sections.reference(RunConfig), ""])
 
 

@@ -54,6 +54,32 @@ def test_bad_config_names_the_key(overrides, message):
     run_config("sft", **overrides)
 
 
+@pytest.mark.parametrize("config, overrides, message, reader", [
+    ("sft", dict(grpo__kl_coef=0.1), r"config.grpo.kl_coef=0.1: the sft task does not read config.grpo \(it reads "
+     r"model, data, log, distributed, mesh, train, optim, checkpoint, logprobs\)\. Leave it at its default "
+     r"\(0.001\)", "grpo"),
+    ("dpo", dict(sampling__temperature=0.5), r"config.sampling.temperature=0.5: the dpo task does not read", "grpo"),
+    ("rm", dict(logprobs__impl="chunked"), r"config.logprobs.impl='chunked': the rm task does not read", "dpo"),
+    ("grpo", dict(train__batch_size=64), r"config.train.batch_size=64: the grpo task does not read "
+     r"config.train.batch_size; a step's batch is grpo.prompts_per_step x sampling.num_samples completions", "sft"),
+    ("ppo", dict(train__micro_batches=2), r"config.train.micro_batches=2: the ppo task does not read", None),
+    ("rollout", dict(optim__lr=1e-3), r"config.optim.lr=0.001: the rollout task does not read config.optim", "sft"),
+    ("eval", dict(train__steps=3), r"config.train.steps=3: the eval task does not read config.train", "sft"),
+])
+def test_a_setting_the_task_does_not_read_is_an_error(config, overrides, message, reader):
+  """A value the task would ignore is named with what the task reads, not dropped without a word; the same value
+  validates for a task that reads it (`reader`)."""
+  with pytest.raises(ConfigError, match=message):
+    run_config(config, **overrides)
+  if reader:
+    run_config(reader, **overrides)
+
+
+def test_grpo_needs_no_batch_size_dividing_the_mesh():
+  """train.batch_size, which GRPO does not read, is not checked against the data-parallel size for it."""
+  run_config("grpo", mesh__shape=(1, 8, 1))
+
+
 def test_unknown_config_arg():
   with pytest.raises(ValueError, match="unknown arg 'huge'; accepted: 'tiny' or none"):
     config_dict("sft", "huge")

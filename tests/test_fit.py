@@ -39,7 +39,7 @@ def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "jalign.fit", "--config=configs/grpo.py", "--arch=llama3-8b", "--devices=16",
        "--config.mesh.shape=(1,16,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
-       "--config.train.batch_size=16", "--hbm_gib=95", f"--json={out}"],
+       "--hbm_gib=95", f"--json={out}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   stdout = proc.stdout
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,7 +58,8 @@ def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
     ("grpo", {}),
     ("ppo", {}),
     ("grpo", {"grpo__async_staleness": 1, "grpo__rollout_is": "token", "sampling__top_k": 5, "grpo__ppo_epochs": 2}),
-], ids=["grpo", "ppo", "async-corrected"])
+    ("grpo", {"grpo__prompts_per_step": 1, "grpo__mini_batches": 2, "mesh__shape": (1, 2, 1)}),
+], ids=["grpo", "ppo", "async-corrected", "mini-batch-within-a-group"])
 def test_fit_compiles_the_update_the_run_runs(tmp_path, monkeypatch, config, overrides):
   """The fit check's batch has the columns the run's update receives (the log-prob plan: old, behaviour, kept and
   reference log-probs, the critic's returns), the response width the sampler produces, and its loss is the run's
@@ -84,6 +85,8 @@ def test_fit_compiles_the_update_the_run_runs(tmp_path, monkeypatch, config, ove
   for batch in seen:  # the rows and the response width; prompts are left-padded to at most the fit's width
     assert batch["response"] == abstract["response"], (batch, abstract)
     assert batch["tokens"][1] <= abstract["tokens"][1]
-  assert task.loss_cfg.group_size == (cfg.sampling.num_samples if cfg.grpo.share_prompts else 0)
+  g = cfg.grpo  # a group shares its prompt only where mini-batches hold whole groups
+  shared = g.share_prompts and g.prompts_per_step % g.mini_batches == 0
+  assert task.loss_cfg.group_size == (cfg.sampling.num_samples if shared else 0)
   r = fit.report(cfg)
   assert r["batch"] == {k: list(v) for k, v in abstract.items()}

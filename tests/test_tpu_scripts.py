@@ -175,7 +175,6 @@ FAKE_GCLOUD = r'''
 """A stand-in for `gcloud compute tpus tpu-vm` on one fake single-host slice: its state in $FAKE_TPU/state, the
 worker's home in $FAKE_TPU/home (wiped when the slice is deleted, as a VM's disk is), every call in calls.log."""
 import os, shutil, subprocess, sys
-from tests import cli
 root = os.environ["FAKE_TPU"]
 state_file, home = os.path.join(root, "state"), os.path.join(root, "home")
 args = sys.argv[1:]

@@ -146,9 +146,11 @@ class GrpoTask(Task):
                           cfg.grpo.updates_per_step)
 
   def abstract_batch(self) -> RolloutBatch:
+    """A mini-batch's shapes: whole groups when they share their prompt, else rows of any prompts (a mini-batch may
+    then hold fewer rows than a group)."""
     s = self.cfg.sampling
-    return self.plan.abstract_batch(self.rows // self.cfg.grpo.mini_batches, s.num_samples, s.max_prompt_length,
-                                    s.max_new_tokens)
+    return self.plan.abstract_batch(self.rows // self.cfg.grpo.mini_batches, self.group_size or 1,
+                                    s.max_prompt_length, s.max_new_tokens)
 
   def _update_fn(self, mini_batch_rows: int):
     """The jitted policy update at `lr_scale` for mini-batches of `mini_batch_rows` rows."""

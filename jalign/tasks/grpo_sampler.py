@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jalign.config import RunConfig
@@ -35,7 +36,10 @@ class StepSampler:
     self.sample_mesh = sample_mesh    # sampling's devices: the training mesh's, or `rollout_mesh` set apart
     self.rollout_mesh = rollout_mesh
     ds = grain.MapDataset.range(len(stage)).seed(cfg.seed).shuffle().repeat(None)
-    self.iterator = iter(ds.batch(cfg.grpo.prompts_per_step).to_iter_dataset())  # checkpointed by the loop
+    n = cfg.grpo.prompts_per_step
+    # grain 0.2.18's batch(1) of an endless dataset overflows an index when iterated; one-index arrays are the same
+    ds = ds.batch(n) if n > 1 else ds.map(lambda i: np.asarray([i]))
+    self.iterator = iter(ds.to_iter_dataset())  # checkpointed by the loop
     self.key = jax.random.key(cfg.seed)
     self.in_flight: dict[int, Future | Rollout] = {}  # async: step -> its rollout, sampled or being sampled
     self.generator = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if cfg.grpo.async_staleness else None

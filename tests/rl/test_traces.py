@@ -84,7 +84,7 @@ def test_mul_task_is_held_out_and_beyond_the_tiny_policy():
 def test_agent_demo_tiny_runs_and_logs_the_agent_metrics(tmp_path):
   """configs/agent.py:tiny: SFT on the traces, then GRPO on calculator episodes; the agent metrics every step and
   the held-out accuracy with and without tools, before and after GRPO."""
-  proc = cli.run("agent.py:tiny", tmp_path, one_device=True, check=True, timeout=900)
+  proc = cli.run("agent.py:tiny", tmp_path, chain=True, one_device=True, check=True, timeout=900)
   rows = [json.loads(line) for line in open(tmp_path / "2_grpo" / "metrics.jsonl")]
   steps = [r for r in rows if "agent/turns/mean" in r]
   assert [r["step"] for r in steps] == [1, 2]

@@ -16,7 +16,8 @@ STAGES = ("0_base", "1_sft", "2_rm", "3_grpo", "4_dpo")
 
 
 def _pipeline(run_dir, env=None, faulty=False):
-  return cli.run("pipeline.py:tiny", run_dir, program=cli.FAULTY if faulty else "jalign.run", env=env, timeout=900)
+  return cli.run("pipeline.py:tiny", run_dir, chain=True, program=cli.FAULTY if faulty else "jalign.run", env=env,
+                 timeout=900)
 
 
 def _read(path):
