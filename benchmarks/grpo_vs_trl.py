@@ -79,7 +79,7 @@ def jalign_seconds(ckpt: Checkpoint, steps: int) -> list[dict]:
          f"--config.grpo.prompts_per_step={PROMPTS}", f"--config.sampling.num_samples={GENERATIONS}",
          f"--config.sampling.max_new_tokens={NEW_TOKENS}", "--config.sampling.max_prompt_length=64",
          "--config.grpo.mini_batches=1", "--config.grpo.dynamic_sampling=False", "--config.grpo.compact_sizes=0",
-         "--config.grpo.kl_coef=0.001",  # TRL's beta: the reference forward on both sides
+         "--config.kl.coef=0.001",  # TRL's beta: the reference forward on both sides
          "--config.reward.weights=(('format',1.0),)",
          # TRL's learning rate; the demo's warmup and cosine decay would not fit a few steps
          "--config.optim.lr=1e-4", "--config.optim.schedule=constant", "--config.optim.warmup_steps=0",

@@ -22,7 +22,7 @@ LORA = ["--config.model.lora.rank=16", "--config.model.lora.alpha=32"]
 LR = {"dpo": 5e-5, "grpo": 1e-4}  # full fine-tuning learning rates of the recipes below (LoRA: 10x)
 # The recipes the table in benchmarks/README.md was measured with (the configs' defaults have moved on since).
 RECIPE = {"dpo": ["--config.train.steps=300"],
-          "grpo": ["--config.train.steps=150", "--config.grpo.kl_coef=0.001", "--config.optim.schedule=constant",
+          "grpo": ["--config.train.steps=150", "--config.kl.coef=0.001", "--config.optim.schedule=constant",
                    "--config.optim.warmup_steps=0", "--config.train.eval_every=50", "--config.checkpoint.every=50"]}
 
 

@@ -5,7 +5,7 @@ Each case is the task's real train step (the builder `python -m jalign.run` uses
 full remat, attention and log-probs as `auto` picks them for a TPU (splash, pallas_tpu), one sequence (SFT, GRPO) or
 one pair (DPO) per chip and update. The step time is model FLOPs at the chip's bf16 peak (`fit.model_flops`).
 
-  python benchmarks/tpu_fit.py                 # the table of benchmarks/README.md (~1 hour on 2 cores)
+  python benchmarks/tpu_fit.py                 # the table of benchmarks/README.md (~20 minutes on 2 cores)
   python benchmarks/tpu_fit.py --only=sft      # a subset: cases whose name contains this
 """
 from __future__ import annotations

@@ -43,8 +43,8 @@ def get_config(arg=None):
   sft.optim.update(lr=2e-3 if not tiny else 3e-3, warmup_steps=20 if not tiny else 0, min_lr_ratio=0.1)
   sft.checkpoint.every = 200 if not tiny else 30
   # GRPO on episodes: each sample is an episode of the calculator environment (a call, its result, an answer).
-  grpo.grpo.update(prompts="synthetic:mul:train", eval_prompts="synthetic:mul:test", env="calculator",
-                   env_tool_format="compact", env_max_turns=3, env_max_tokens=128)
+  grpo.grpo.update(prompts="synthetic:mul:train", eval_prompts="synthetic:mul:test")
+  grpo.env.update(name="calculator", tool_format="compact", max_turns=3, max_tokens=128)
   grpo.sampling.update(max_new_tokens=16, max_prompt_length=64)
   grpo.train.update(steps=300 if not tiny else 2, eval_every=50 if not tiny else 0)
   grpo.optim.update(lr=1e-4, schedule="constant", warmup_steps=0)

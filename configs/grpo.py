@@ -25,19 +25,21 @@ def get_config(arg=None):
   c.optim.update(lr=2e-4, warmup_steps=20, min_lr_ratio=0.1)
   c.sampling.update(max_new_tokens=8, num_samples=8, max_prompt_length=48)
   # One on-policy update per step over 64 prompts x 8 samples (no separate old-policy forward). No KL term in the
-  # loss (kl_coef=0, as DAPO): the reference then runs only on the steps that report the KL to it, 14% less time per
-  # step for the same held-out accuracy as kl_coef=0.001 (benchmarks/README.md, four seeds each). Groups whose
+  # loss (kl.coef=0, as DAPO): the reference then runs only on the steps that report the KL to it, 14% less time per
+  # step for the same held-out accuracy as kl.coef=0.001 (benchmarks/README.md, four seeds each). Groups whose
   # samples all score alike are left out of the update (dynamic sampling, compact_sizes); a step with none left
   # skips its update (no_signal="skip").
   c.grpo.update(prompts="synthetic:arith:train", eval_prompts="synthetic:arith:test", eval_examples=500,
-                prompts_per_step=64, kl_coef=0.0, dynamic_sampling=True, compact_sizes=4, no_signal="skip")
+                prompts_per_step=64, dynamic_sampling=True, compact_sizes=4, no_signal="skip")
+  c.kl.coef = 0.0
   c.checkpoint.update(every=150, keep=2)
   if arg == "tiny":
     c.run_dir = "runs/grpo_tiny"
     c.train.update(steps=3, log_every=1, eval_every=0)
     c.optim.update(lr=1e-4, schedule="constant", warmup_steps=0)
-    # kl_coef > 0: the tiny runs exercise the KL term and the every-step reference forward
-    c.grpo.update(prompts_per_step=4, mini_batches=2, eval_examples=16, compact_sizes=0, kl_coef=0.001)
+    # kl.coef > 0: the tiny runs exercise the KL term and the every-step reference forward
+    c.grpo.update(prompts_per_step=4, mini_batches=2, eval_examples=16, compact_sizes=0)
+    c.kl.coef = 0.001
     c.sampling.num_samples = 4
     c.checkpoint.every = 2
     c.log.tensorboard = False

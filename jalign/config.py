@@ -19,12 +19,18 @@ from jalign.core.sections import bounded
 from jalign.data.pipeline import DataSection
 from jalign.eval.policy import EvalSection
 from jalign.kernels.logprobs import LogprobOptions
+from jalign.losses.advantages import AdvantageSection
+from jalign.losses.policy import KlSection
 from jalign.models.config import ModelSection
 from jalign.objectives.dpo import DpoSection
+from jalign.objectives.grpo import PolicyLossSection
+from jalign.objectives.ppo import CriticSection
 from jalign.objectives.reward import RewardModelSection
 from jalign.parallel.distributed import DistributedSection, say
 from jalign.parallel.shardings import MeshSection
 from jalign.rewards.verifiable import RewardSection
+from jalign.rl import config as rl_config
+from jalign.rl.agentic.env import EnvSection
 from jalign.rl.buffer import RolloutSection
 from jalign.rl.config import GrpoSection
 from jalign.rl.rollout import SamplingSection
@@ -102,6 +108,11 @@ class RunConfig:
   reward: RewardSection = RewardSection()
   rollout: RolloutSection = RolloutSection()
   grpo: GrpoSection = GrpoSection()
+  advantage: AdvantageSection = AdvantageSection()
+  kl: KlSection = KlSection()
+  policy_loss: PolicyLossSection = PolicyLossSection()
+  critic: CriticSection = CriticSection()
+  env: EnvSection = EnvSection()
   rm: RewardModelSection = RewardModelSection()
   dpo: DpoSection = DpoSection()
   distributed: DistributedSection = DistributedSection()   # multi-process start-up (jalign.parallel.distributed)
@@ -112,12 +123,13 @@ class RunConfig:
 # A value other than the default anywhere else is a ConfigError: a setting is never dropped without a word.
 _COMMON = ("model", "data", "log", "distributed")
 _TRAINING = _COMMON + ("mesh", "train", "optim", "checkpoint")
+_RL = ("grpo", "advantage", "kl", "policy_loss", "critic", "env")
 READS = {
     "sft": _TRAINING + ("logprobs",),
     "rm": _TRAINING + ("rm",),
     "dpo": _TRAINING + ("logprobs", "dpo", "reward"),   # the reward: the verifier of the held-out win rate
-    "grpo": _TRAINING + ("logprobs", "sampling", "reward", "grpo"),
-    "ppo": _TRAINING + ("logprobs", "sampling", "reward", "grpo"),
+    "grpo": _TRAINING + ("logprobs", "sampling", "reward") + _RL,
+    "ppo": _TRAINING + ("logprobs", "sampling", "reward") + _RL,
     "rollout": _COMMON + ("mesh", "sampling", "reward", "rollout"),
     "eval": _COMMON + ("eval",),
 }
@@ -134,6 +146,12 @@ def defaults() -> ml_collections.ConfigDict:
 
 def validate(values, num_devices: int) -> RunConfig:
   """ConfigDict -> RunConfig, plus the checks that involve several sections and the machine."""
+  grpo = values.get("grpo") if hasattr(values, "get") else None
+  moved = [k for k in rl_config.MOVED if k in (grpo or {})]
+  if moved:
+    also = "".join(f"; grpo.{k} is now {rl_config.MOVED[k]}" for k in moved[1:])
+    raise ConfigError(f"config.grpo.{moved[0]}: moved to config.{rl_config.MOVED[moved[0]]} (the section of the code "
+                      f"that reads it){also}")
   cfg = sections.to_dataclass(RunConfig, values)
   t, m = cfg.train, cfg.mesh
   if cfg.optim.warmup_steps > t.steps and cfg.task not in ("rollout", "eval"):  # a run cut short on the command line
@@ -166,7 +184,7 @@ def validate(values, num_devices: int) -> RunConfig:
     cfg.rollout.check(cfg.task, cfg.run_dir)
     cfg.reward.check()
   if cfg.task in ("grpo", "ppo"):
-    cfg.grpo.check(cfg.sampling, cfg.task, dp)
+    rl_config.check(cfg, dp)
   _validate_lora(cfg)
   if cfg.task == "eval":
     cfg.eval.check(cfg.model.path)

@@ -55,7 +55,7 @@ def test_bad_config_names_the_key(overrides, message):
 
 
 @pytest.mark.parametrize("config, overrides, message, reader", [
-    ("sft", dict(grpo__kl_coef=0.1), r"config.grpo.kl_coef=0.1: the sft task does not read config.grpo \(it reads "
+    ("sft", dict(kl__coef=0.1), r"config.kl.coef=0.1: the sft task does not read config.kl \(it reads "
      r"model, data, log, distributed, mesh, train, optim, checkpoint, logprobs\)\. Leave it at its default "
      r"\(0.001\)", "grpo"),
     ("dpo", dict(sampling__temperature=0.5), r"config.sampling.temperature=0.5: the dpo task does not read", "grpo"),
@@ -109,11 +109,11 @@ def test_defaults_hold_every_key_with_its_default():
       node = node[part]
     return True
   assert [k for k in keys(RunConfig()) if not present(d, k)] == []
-  d.grpo.clip_c = 3  # a placeholder takes a value of its type (an int converts to the float it declares)
-  assert to_dataclass(RunConfig, d).grpo.clip_c == 3.0
+  d.policy_loss.clip_c = 3  # a placeholder takes a value of its type (an int converts to the float it declares)
+  assert to_dataclass(RunConfig, d).policy_loss.clip_c == 3.0
   with pytest.raises(AttributeError, match="Did you mean"):
     d.lock()
-    d.grpo.clip_cc = 3.0
+    d.policy_loss.clip_cc = 3.0
 
 
 def _bounded_fields(cls, prefix: str = "config"):

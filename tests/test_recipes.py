@@ -72,4 +72,4 @@ def test_recipes_reject_unknown_args():
       run_config(f"recipes/{name}", "huge")
   for variant in ("drgrpo", "dapo", "dapo,smoke"):
     cfg = run_config("recipes/gsm8k_grpo", variant, model__path="m", grpo__prompts="p.jsonl")
-    assert cfg.grpo.kl_coef == 0.0
+    assert cfg.kl.coef == 0.0

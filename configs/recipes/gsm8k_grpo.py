@@ -24,13 +24,18 @@ def get_config(arg=None):
   c.train.update(steps=200, log_every=1, eval_every=50)
   c.optim.update(lr=1e-6, schedule="constant")
   c.sampling.update(max_new_tokens=256, num_samples=8, max_prompt_length=256)
-  c.grpo.update(eval_examples=200, prompts_per_step=16, mini_batches=4, clip_high=0.2, no_signal="skip")
+  c.grpo.update(eval_examples=200, prompts_per_step=16, mini_batches=4, no_signal="skip")
+  c.policy_loss.clip_high = 0.2
   c.checkpoint.update(every=50, keep=1)
   c.log.tensorboard = False
   if variant == "drgrpo":
-    c.grpo.update(adv_estimator="drgrpo", agg="seq-mean-token-sum-norm", kl_coef=0.0)
+    c.advantage.estimator = "drgrpo"
+    c.policy_loss.agg = "seq-mean-token-sum-norm"
+    c.kl.coef = 0.0
   elif variant == "dapo":
-    c.grpo.update(clip_high=0.28, dynamic_sampling=True, max_gen_batches=3, kl_coef=0.0)
+    c.grpo.update(dynamic_sampling=True, max_gen_batches=3)
+    c.policy_loss.clip_high = 0.28
+    c.kl.coef = 0.0
     c.reward.update(overlong_max_length=c.sampling.max_new_tokens, overlong_buffer=c.sampling.max_new_tokens // 4)
   elif variant:
     raise ValueError(f"configs/recipes/gsm8k_grpo.py: unknown variant {variant!r}; accepted: drgrpo, dapo, smoke")

@@ -7,7 +7,7 @@ tokens, never the tools' outputs.
     ... :python                          # the Python tool instead of the calculator; :smoke for CI
 
 The tools are shown through the chat template's own tool section where it has one (Qwen, Mistral, Llama 3.1+),
-else as a system message; calls are written in the Hermes / Qwen format (`grpo.env_tool_format`: llama3, mistral
+else as a system message; calls are written in the Hermes / Qwen format (`env.tool_format`: llama3, mistral
 for those families). Held-out accuracy is measured with the tools and without them (eval/accuracy_no_tools).
 GRPO settings (and the smoke size) are configs/recipes/gsm8k_grpo.py's (DeepSeekMath's, as verl runs them).
 """
@@ -32,8 +32,8 @@ def get_config(arg=None):
   c = grpo_recipe.get_config(size or None)  # its GRPO settings and its smoke size
   c.run_dir = f"runs/gsm8k_tools{'_python' if variant else ''}{'_smoke' if size else ''}"
   c.data.prompt_suffix = INSTRUCTION
-  # max_new_tokens is per turn; an episode (prompt, turns and tool outputs) stays within env_max_tokens.
+  # max_new_tokens is per turn; an episode (prompt, turns and tool outputs) stays within env.max_tokens.
   c.sampling.max_prompt_length = 512
-  c.grpo.update(env=variant or "calculator", env_tool_format="hermes", env_max_turns=4 if not size else 2,
-                env_max_tokens=1536 if not size else 1024)
+  c.env.update(name=variant or "calculator", tool_format="hermes", max_turns=4 if not size else 2,
+               max_tokens=1536 if not size else 1024)
   return c

@@ -22,8 +22,10 @@ def get_config(arg=None):
   c.optim.update(lr=1e-6, schedule="constant")
   c.sampling.update(max_new_tokens=512, num_samples=8, max_prompt_length=512)
   c.reward.weights = (("boxed", 1.0),)
-  c.grpo.update(eval_examples=200, prompts_per_step=16, mini_batches=4, adv_estimator="drgrpo",
-                agg="seq-mean-token-sum-norm", kl_coef=0.0, clip_high=0.2, no_signal="skip")
+  c.grpo.update(eval_examples=200, prompts_per_step=16, mini_batches=4, no_signal="skip")
+  c.advantage.estimator = "drgrpo"
+  c.policy_loss.update(agg="seq-mean-token-sum-norm", clip_high=0.2)
+  c.kl.coef = 0.0
   c.checkpoint.update(every=50, keep=1)
   c.log.tensorboard = False
   if arg == "smoke":

@@ -113,7 +113,7 @@ def _convert(value, tp, key: str):
 def defaults(section) -> ml_collections.ConfigDict:
   """Every key of a section instance with its default, as a ConfigDict (sub-sections nested): configs start from it
   and state only what they change, and any key can be set on the command line. An unset optional number is a typed
-  placeholder (`--config.grpo.clip_c=3` works); an unset optional section (`model.arch`) is None until a config gives
+  placeholder (`--config.policy_loss.clip_c=3` works); an unset optional section (`model.arch`) is None until a config gives
   it."""
   hints = typing.get_type_hints(type(section))
   out = {}

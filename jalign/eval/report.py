@@ -6,7 +6,7 @@ A pipeline directory holds 0_base/ and one <i>_<task>/ per stage (each with metr
 run directory is reported as one stage. The report has a per-stage table of the held-out evaluation, one figure per
 stage of its training curves (loss, reward, KL, entropy, accuracy, response length, as logged), and flags stages
 that look over-optimised: the reward model's score rose while held-out accuracy or the win rate fell, or the KL to
-the reference passed the stage's `grpo.max_kl`.
+the reference passed the stage's `kl.max`.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def flags(name: str, rows: list[dict], info: dict, previous_eval: dict, max_kl: 
                  f"{evaluation['eval/win_rate']:.3f} < 0.5")
   _, kl = series(rows, "actor/kl_loss")
   if max_kl and kl and max(kl) > max_kl:
-    out.append(f"{name}: KL to the reference reached {max(kl):.4f}, above grpo.max_kl={max_kl}")
+    out.append(f"{name}: KL to the reference reached {max(kl):.4f}, above kl.max={max_kl}")
   return out
 
 

@@ -5,8 +5,27 @@ Shapes: token-level arrays are [B, T] with a response mask (1 on response tokens
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
+
+from jalign.core.sections import bounded
+
+# Estimators whose values for one group depend on that group's samples alone (no batch whitening, no critic): leaving
+# other groups out of the batch does not change them.
+GROUP_LOCAL_ESTIMATORS = ("grpo", "drgrpo", "rloo", "remax")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSection:
+  """How rewards become advantages (the run config's `advantage` section, read by GRPO and PPO)."""
+  # grpo / drgrpo / rloo: group baselines; gae: PPO with a learned critic; reinforce_pp(_baseline): REINFORCE++;
+  # remax: each prompt's greedy response, sampled and scored alongside, is the baseline (Li et al. 2023).
+  estimator: Literal["grpo", "drgrpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline", "remax"] = "grpo"
+  gamma: float = bounded(1.0, ge=0, le=1)  # discount (verl algorithm.gamma)
+  lam: float = bounded(1.0, ge=0, le=1)   # GAE lambda (verl algorithm.lam)
 
 
 def masked_mean(x, mask, axis=None):

@@ -1,13 +1,39 @@
 """Policy-gradient losses, KL estimators and loss aggregation, as defined in verl's `core_algos.py`."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 
+from jalign.core.sections import bounded
 from jalign.losses.advantages import masked_mean
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3")
+
+
+@dataclasses.dataclass(frozen=True)
+class KlSection:
+  """The KL to the reference policy: in the loss or in the reward, its coefficient fixed or adaptive, and a bound on
+  it (the run config's `kl` section, read by GRPO and PPO)."""
+  coef: float = 0.001                     # KL(pi || ref) in the loss (verl use_kl_loss, low_var_kl); 0 = no KL term
+                                          # (DAPO): the reference then runs only on the steps that log the KL
+  kind: Literal["k1", "abs", "k2", "k3"] = "k3"  # KL estimator (Schulman's k1 / k2 / k3; abs)
+  in_reward: bool = False                 # subtract coef x KL(old || ref) from token rewards instead (verl
+                                          # use_kl_in_reward); the KL loss term is then off
+  ctrl: Literal["fixed", "adaptive"] = "fixed"  # adaptive (Ziegler et al. 2019) steers the in-reward coef
+  target: float = bounded(0.1, gt=0)      # adaptive: target KL per token (verl kl_ctrl.target_kl)
+  horizon: int = bounded(10000, gt=0)     # adaptive: horizon in rollouts (verl kl_ctrl.horizon)
+  max: float = bounded(0.0, ge=0)         # bound on the mean KL to the reference; 0 = off
+  max_action: Literal["stop", "lower_lr"] = "stop"  # past kl.max: checkpoint and stop, or lower the lr
+  lr_factor: float = bounded(0.5, gt=0, lt=1)  # lower_lr: multiply the learning rate by this at each breach
+
+  @property
+  def needs_reference(self) -> bool:
+    """The reference policy's log-probs are read: by the loss's KL term, the reward's, or the bound."""
+    return bool(self.coef) or self.in_reward or self.ctrl == "adaptive" or bool(self.max)
 
 
 def aggregate_parts(loss_BxT, mask_BxT, mode: str, *, global_rows: int | None = None,

@@ -12,14 +12,70 @@ normalises over the global batch.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jalign import kernels
+from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
 from jalign.losses import policy
 from jalign.sampling.filters import filter_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSection:
+  """The clipped policy update's loss (the run config's `policy_loss` section, read by GRPO and PPO)."""
+  clip_low: float = bounded(0.2, ge=0)    # PPO clip: the ratio's lower bound is 1 - clip_low
+  clip_high: float = 0.28                 # DAPO clip-higher (Yu et al. 2025); 0.2 = symmetric PPO
+  clip_c: float | None = bounded(None, gt=1)  # dual clip (Ye et al. 2020); None = off
+  # verl's loss_mode names; see losses.policy.policy_loss_matrix (clip_low / clip_high: log-ratio bounds for
+  # geo_mean, divergence thresholds for dppo_*)
+  mode: Literal["vanilla", "gspo", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl"] = "vanilla"
+  tau_pos: float = bounded(1.0, gt=0)     # sapo's gate temperature where A > 0 (verl actor.tau_pos)
+  tau_neg: float = bounded(1.05, gt=0)    # ... where A <= 0 (verl actor.tau_neg)
+  # how token losses are averaged (verl loss_agg_mode; see losses.policy)
+  agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+  loss_scale_factor: int = bounded(0, ge=0)  # seq-mean-token-sum-norm's constant T (verl's name); 0 = max_new_tokens
+  entropy_coef: float = 0.0               # entropy bonus in the loss; 0 = off
+  # Rollout corrections for data sampled by an older or different policy (offline buffers, asynchronous rollouts),
+  # by verl's names (algorithm.rollout_correction, 0.6): the clipped ratio is then taken against the policy as it was
+  # before the step's update, and `rollout_is` weights each token's loss by the truncated importance ratio to the
+  # behaviour policy (per token: TIS, Yao et al. 2025; or per sequence), `rollout_rs` masks tokens or whole
+  # responses whose ratio (per token, sequence product, or geometric mean) leaves [threshold_lower, threshold].
+  # Both "" = off: the clipped ratio is taken against the behaviour log-probs themselves.
+  rollout_is: Literal["", "token", "sequence"] = ""
+  rollout_is_threshold: float = bounded(2.0, gt=0)  # rollout_is: the weights' cap
+  # rejection sampling: mask tokens or responses whose ratio leaves the thresholds; "" = off
+  rollout_rs: Literal["", "token", "sequence", "geometric"] = ""
+  rollout_rs_threshold: float = bounded(2.0, gt=0)  # rollout_rs: upper bound of the ratio
+  rollout_rs_threshold_lower: float = bounded(0.5, gt=0)  # rollout_rs: lower bound of the ratio
+
+  @property
+  def corrects(self) -> bool:
+    """A rollout correction is on."""
+    return bool(self.rollout_is or self.rollout_rs)
+
+  def check(self) -> None:
+    if self.clip_high < self.clip_low:
+      raise ConfigError(f"config.policy_loss.clip_high={self.clip_high} must be >= clip_low={self.clip_low}")
+    if self.rollout_rs and self.rollout_rs_threshold_lower >= self.rollout_rs_threshold:
+      raise ConfigError(f"config.policy_loss.rollout_rs_threshold_lower={self.rollout_rs_threshold_lower} must be "
+                        f"below rollout_rs_threshold={self.rollout_rs_threshold}")
+
+  def loss_config(self, *, kl_coef: float, kl_kind: str, temperature: float, group_size: int,
+                  norm_rows: int) -> "GrpoLossConfig":
+    """The loss function's settings: this section's, the KL term's (`kl_coef` 0 = none), the sampling temperature
+    and the update's layout."""
+    return GrpoLossConfig(
+        clip_low=self.clip_low, clip_high=self.clip_high, clip_c=self.clip_c, mode=self.mode, agg=self.agg,
+        kl_coef=kl_coef, kl_kind=kl_kind, entropy_coef=self.entropy_coef, temperature=temperature,
+        group_size=group_size, rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+        rollout_rs=self.rollout_rs, rollout_rs_threshold=self.rollout_rs_threshold,
+        rollout_rs_threshold_lower=self.rollout_rs_threshold_lower, norm_rows=norm_rows, tau_pos=self.tau_pos,
+        tau_neg=self.tau_neg, horizon=self.loss_scale_factor)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jalign.core.sections import bounded
 from jalign.losses import policy
 from jalign.models import lora
 from jalign.models.decoder import Decoder
@@ -46,6 +47,14 @@ def response_values(graphdef, params, batch) -> jax.Array:
   r = batch.response.shape[1]
   p = batch.tokens.shape[1] - r
   return critic.head(hidden[:, p - 1:p + r - 1])
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSection:
+  """PPO's critic (the run config's `critic` section; read with advantage.estimator='gae')."""
+  lr: float = bounded(1e-5, gt=0)         # the critic's own AdamW learning rate (verl critic.optim.lr)
+  value_clip: float = bounded(0.5, gt=0)  # clip of the value update around the rollout values (verl cliprange_value)
+  warmup: int = bounded(0, ge=0)          # first steps update only the critic (verl trainer.critic_warmup)
 
 
 @dataclasses.dataclass(frozen=True)

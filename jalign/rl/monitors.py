@@ -8,7 +8,7 @@
 - reward hacking: between two held-out evaluations the training reward rose while held-out verifiable accuracy fell
   by more than two standard errors of the estimate (the policy is learning the reward, not the task);
 - critic failure: the critic explains none of the returns' variance (explained variance <= 0) for a whole window.
-Each raises a `monitor/*` metric (1 on the step it fires) and a warning line; none stops the run (`grpo.max_kl` does).
+Each raises a `monitor/*` metric (1 on the step it fires) and a warning line; none stops the run (`kl.max` does).
 """
 from __future__ import annotations
 

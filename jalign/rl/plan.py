@@ -20,7 +20,7 @@ class LogprobPlan:
     update takes it from its own forward with the gradient stopped (`objectives.grpo`).
   - `kept`: `kept_logp`, the policy's log-probs renormalised over the set sampling kept (a rollout correction after
     top-k / top-p / min-p filtering).
-  - `reference`: `ref_logp` every step (a KL term in the loss or in the reward, the adaptive KL, or grpo.max_kl);
+  - `reference`: `ref_logp` every step (a KL term in the loss or in the reward, the adaptive KL, or kl.max);
     else the reference runs only on the steps that report the KL to it.
   - `critic`: `returns` and `old_values` for the critic (GAE)."""
   stored: str = ""
@@ -30,17 +30,19 @@ class LogprobPlan:
   critic: bool = False
 
   @staticmethod
-  def of(g, s, corrects: bool) -> "LogprobPlan":
-    """The plan of a `GrpoSection` and a `SamplingSection`; `corrects`: a rollout correction is on."""
+  def of(cfg) -> "LogprobPlan":
+    """The plan of a run config's (`jalign.config.RunConfig`) grpo, sampling, kl, policy_loss and advantage
+    sections."""
+    g, s, corrects = cfg.grpo, cfg.sampling, cfg.policy_loss.corrects
     behaviour = bool(g.buffer) or bool(g.async_staleness)  # sampled by another policy than the current one
     old_is_current = not behaviour or corrects
     filtered = bool(s.top_k or s.top_p < 1 or s.min_p > 0)
     return LogprobPlan(
         stored="" if not behaviour else "behaviour_logp" if corrects else "old_logp",
-        current_old=old_is_current and (g.ppo_epochs > 1 or g.mini_batches > 1 or g.kl_in_reward),
+        current_old=old_is_current and (g.ppo_epochs > 1 or g.mini_batches > 1 or cfg.kl.in_reward),
         kept=filtered and corrects,
-        reference=bool(g.kl_coef) or g.kl_in_reward or g.kl_ctrl == "adaptive" or bool(g.max_kl),
-        critic=g.adv_estimator == "gae")
+        reference=cfg.kl.needs_reference,
+        critic=cfg.advantage.estimator == "gae")
 
   def columns(self) -> tuple[str, ...]:
     """The float32 [N, R] columns of the update batch beside the model rows (`rl.batch.RolloutBatch`)."""

@@ -21,12 +21,14 @@ from jalign.data.prompts import (
 from jalign.data.sources import open_source
 from jalign.losses import advantages as adv_lib
 from jalign.losses import policy as policy_lib
+from jalign.losses.advantages import AdvantageSection
 from jalign.models.sharding import to_host
 from jalign.parallel.distributed import say
 from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH, RewardSpec
 from jalign.rl import rollout
 from jalign.rl.agentic import agent
 from jalign.rl.agentic import env as env_lib
+from jalign.rl.agentic.env import EnvSection
 from jalign.rl.batch import RolloutBatch
 from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups, OfflineBuffer
@@ -34,28 +36,29 @@ from jalign.rl.rollout import SamplingSection
 
 
 class RolloutStage:
-  """Prompts from `grpo.prompts` (online) or groups from `grpo.buffer` (offline), as `Groups`."""
+  """Prompts from `grpo.prompts` (online) or groups from `grpo.buffer` (offline), as `Groups`; multi-turn episodes of
+  environment `env.name`; with `remax`, each prompt's greedy response scored as its baseline."""
 
-  def __init__(self, g: GrpoSection, s: SamplingSection, tok, rewards: RewardSpec, *, fields, max_prompt: int,
-               context: int, mesh=None, rules=None, model_reward=None, check_records: int = 0):
-    self.g, self.spec, self.tok, self.rewards = g, s, tok, rewards
+  def __init__(self, g: GrpoSection, s: SamplingSection, env: EnvSection, tok, rewards: RewardSpec, *, remax: bool, fields,
+               max_prompt: int, context: int, mesh=None, rules=None, model_reward=None, check_records: int = 0):
+    self.spec, self.tok, self.rewards, self.remax = s, tok, rewards, remax
     self.mesh, self.rules, self.model_reward = mesh, rules, model_reward
     self.encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
     self.offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
     self.source = open_source(g.prompts, fields) if self.offline is None else self.offline
-    if self.offline is None and not g.env:  # every prompt a step may draw fits, or the run ends here
+    if self.offline is None and not env.name:  # every prompt a step may draw fits, or the run ends here
       tally = check_prompts(self.source, self.encode, limit=check_records)
       say(f"prompts {g.prompts}: {tally.summary()}")
     self.make_env = None
-    if g.env:
+    if env.name:
       metric = next((name for name, _ in rewards.weights if name in NEEDS_GROUND_TRUTH), None)
       if metric is None:
-        raise ConfigError(f"config.grpo.env={g.env!r} scores final answers with a verifiable reward; reward.weights "
-                          f"has none (accepted: {', '.join(sorted(NEEDS_GROUND_TRUTH))})")
-      self.make_env = functools.partial(env_lib.make, g.env, reward=metric, fmt=g.env_tool_format,
-                                        max_turns=g.env_max_turns, error_reward=g.env_error_reward)
+        raise ConfigError(f"config.env.name={env.name!r} scores final answers with a verifiable reward; "
+                          f"reward.weights has none (accepted: {', '.join(sorted(NEEDS_GROUND_TRUTH))})")
+      self.make_env = functools.partial(env_lib.make, env.name, reward=metric, fmt=env.tool_format,
+                                        max_turns=env.max_turns, error_reward=env.error_reward)
       self.make_answer_env = functools.partial(env_lib.make, "answer", reward=metric)
-      self.max_tokens = min(g.env_max_tokens or context, context)
+      self.max_tokens = min(env.max_tokens or context, context)
 
   def __len__(self) -> int:
     return len(self.source)
@@ -74,7 +77,7 @@ class RolloutStage:
     sampled = rollout.sample(lm, self.tok, prompts, key, self.spec, mesh=self.mesh, rules=self.rules)
     scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=pad, model_reward=self.model_reward)
     baselines = None
-    if self.g.adv_estimator == "remax":  # verl: the greedy response's reward, generated for the same prompts
+    if self.remax:  # verl: the greedy response's reward, generated for the same prompts
       greedy_spec = SamplingSection(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
       greedy = rollout.sample(lm, self.tok, prompts, key, greedy_spec, mesh=self.mesh, rules=self.rules)
       baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=pad, model_reward=self.model_reward)[0], n)
@@ -116,27 +119,30 @@ class RolloutStage:
     return out
 
 
-def advantages(g: GrpoSection, batch: RolloutBatch, groups: Groups, critic, kl_coef: float, sharding):
+def advantages(a: AdvantageSection, batch: RolloutBatch, groups: Groups, *, critic, reward_kl: tuple[str, float] | None,
+               dynamic_sampling: bool, sharding):
   """`batch` (on the devices) with its advantages [N, R] and, for a critic (an object with `values(batch)`), its
   `returns` and `old_values`, all computed on the devices and laid out with `sharding`; the metrics; whether every
-  advantage is 0. Token rewards are the outcome on each response's last token, minus kl_coef x KL(old || ref) per
-  token when the KL goes in the reward (verl `apply_kl_penalty`); multi-turn, each turn's reward on its last token
-  (`groups.token_rewards`, whose sums are the scores). remax subtracts `groups.baselines`, the greedy responses'
-  rewards. Dynamic sampling (DAPO) masks the groups whose rewards are all equal out of the loss."""
+  advantage is 0. Token rewards are the outcome on each response's last token, minus coef x KL(old || ref) per token
+  when the KL goes in the reward (`reward_kl`: (estimator kind, coef); verl `apply_kl_penalty`); multi-turn, each
+  turn's reward on its last token (`groups.token_rewards`, whose sums are the scores). remax subtracts
+  `groups.baselines`, the greedy responses' rewards. Dynamic sampling (DAPO) masks the groups whose rewards are all
+  equal out of the loss."""
   n = groups.size
   mask = batch.response_mask.astype(jnp.float32)
   token_rewards = adv_lib.outcome_to_tokens(jnp.asarray(groups.scores), mask) if groups.token_rewards is None else \
       jnp.asarray(groups.token_rewards, jnp.float32)
   metrics = {}
-  if g.kl_in_reward:
-    kl = policy_lib.kl_penalty(batch.old_logp, batch.ref_logp, g.kl_kind) * mask
-    token_rewards = token_rewards - kl_coef * kl
+  if reward_kl is not None:
+    kind, coef = reward_kl
+    kl = policy_lib.kl_penalty(batch.old_logp, batch.ref_logp, kind) * mask
+    token_rewards = token_rewards - coef * kl
     metrics["actor/reward_kl"] = float(adv_lib.masked_mean(kl, mask))
   values = critic.values(batch) if critic is not None else None
   baselines = groups.baselines
-  adv, returns = adv_lib.estimate(g.adv_estimator, token_rewards, mask, jnp.asarray(np.repeat(np.arange(len(
+  adv, returns = adv_lib.estimate(a.estimator, token_rewards, mask, jnp.asarray(np.repeat(np.arange(len(
       groups.prompts)), n)), values_BxT=values, baselines_B=None if baselines is None else jnp.asarray(
-          baselines, jnp.float32), gamma=g.gamma, lam=g.lam)
+          baselines, jnp.float32), gamma=a.gamma, lam=a.lam)
   if baselines is not None:
     metrics["critic/remax_baseline/mean"] = float(np.mean(baselines))
   columns = {"advantages": adv.astype(jnp.float32)}
@@ -147,7 +153,7 @@ def advantages(g: GrpoSection, batch: RolloutBatch, groups: Groups, critic, kl_c
     metrics.update({"critic/vf_explained_var": float(1.0 - residual.var() / max(r[real].var(), 1e-8)),
                     "critic/values/mean": float(v[real].mean()), "critic/returns/mean": float(r[real].mean())})
   metrics["critic/advantages/mean"] = float(adv_lib.masked_mean(adv, mask))
-  if g.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
+  if dynamic_sampling:  # DAPO: groups with identical rewards carry no signal; keep them out of the loss
     columns["response_mask"] = batch.response_mask * jnp.asarray(np.repeat(groups.informative(), n)[:, None])
   batch = batch.replace(**jax.device_put(columns, sharding))
   no_signal = not bool(jnp.any((batch.advantages != 0) & (batch.response_mask > 0)))

@@ -85,7 +85,7 @@ def run(values, num_devices: int) -> dict:
   root, base = c["run_dir"], c["base_model"]
   _write_json(os.path.join(root, "pipeline.json"),
               {"base_model": base, "order": list(c["order"]), "stages": [n for n, _, _ in stages],
-               "max_kl": {n: cfg.grpo.max_kl for n, t, cfg in stages if t in ("grpo", "ppo")}})
+               "max_kl": {n: cfg.kl.max for n, t, cfg in stages if t in ("grpo", "ppo")}})
   marker = os.path.join(root, "0_base", "stage.json")
   if not os.path.exists(marker):
     say(f"evaluating the base model {base}")

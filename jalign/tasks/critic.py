@@ -17,15 +17,15 @@ from jalign.train import step as step_lib
 
 class Critic:
   def __init__(self, cfg: RunConfig, policy_lm: models.Decoder, mesh, global_rows: int):
-    g = cfg.grpo
-    optimizer, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=g.critic_lr), cfg.train.steps,
-                                         g.updates_per_step)
+    c, loss_cfg = cfg.critic, cfg.policy_loss
+    optimizer, schedule = optim_lib.make(dataclasses.replace(cfg.optim, lr=c.lr), cfg.train.steps,
+                                         cfg.grpo.updates_per_step)
     # With LoRA the adapters and the head train; the base (shared with the policy) stays frozen.
     t = step_lib.trainable(ppo.make_critic(policy_lm, seed=cfg.seed + 1), optimizer, mesh, cfg.mesh.rules)
     self.graphdef, self.state, self.frozen = t.graphdef, t.state, t.frozen
-    loss = ppo.make_value_loss_fn(self.graphdef, ppo.ValueLossConfig(clip=g.value_clip, agg=g.agg,
+    loss = ppo.make_value_loss_fn(self.graphdef, ppo.ValueLossConfig(clip=c.value_clip, agg=loss_cfg.agg,
                                                                       global_rows=global_rows,
-                                                                      horizon=g.loss_scale_factor))
+                                                                      horizon=loss_cfg.loss_scale_factor))
     self._update = step_lib.jit_step(loss, optimizer, schedule, 1, mesh, t)
     self._values = jax.jit(lambda params, batch: ppo.response_values(self.graphdef, params, batch))
 

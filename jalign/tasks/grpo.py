@@ -51,14 +51,11 @@ class GrpoTask(Task):
     # Mini-batches are drawn as whole groups (each prompt's samples together, in order, as verl splits its rollout),
     # so the update can run each prompt once per group.
     self.group_size = s.num_samples if g.share_prompts and g.prompts_per_step % g.mini_batches == 0 else 0
-    self.loss_cfg = objective.GrpoLossConfig(
-        clip_low=g.clip_low, clip_high=g.clip_high, clip_c=g.clip_c, mode=g.loss_mode, agg=g.agg,
-        kl_coef=0.0 if g.kl_in_reward else g.kl_coef, kl_kind=g.kl_kind, entropy_coef=g.entropy_coef,
-        temperature=s.temperature, group_size=self.group_size, rollout_is=g.rollout_is,
-        rollout_is_threshold=g.rollout_is_threshold, rollout_rs=g.rollout_rs,
-        rollout_rs_threshold=g.rollout_rs_threshold, rollout_rs_threshold_lower=g.rollout_rs_threshold_lower,
-        norm_rows=self.rows // g.mini_batches, tau_pos=g.tau_pos, tau_neg=g.tau_neg, horizon=g.loss_scale_factor)
-    self.plan = LogprobPlan.of(g, s, self.loss_cfg.corrects)
+    kl = cfg.kl
+    self.loss_cfg = cfg.policy_loss.loss_config(
+        kl_coef=0.0 if kl.in_reward else kl.coef, kl_kind=kl.kind, temperature=s.temperature,
+        group_size=self.group_size, norm_rows=self.rows // g.mini_batches)
+    self.plan = LogprobPlan.of(cfg)
 
   def build(self, setup: Setup, optimizer, schedule):
     cfg, g, s = self.cfg, self.cfg.grpo, self.cfg.sampling
@@ -80,8 +77,8 @@ class GrpoTask(Task):
                         "sampling on devices of its own: set grpo.rollout_mesh (e.g. (P, 1, 1) for P processes, "
                         "one device each set apart), or async_staleness=0")
     self.sample_mesh = setup.rollout_mesh or mesh  # sampling's devices: the training mesh's, or set apart
-    self.stage = RolloutStage(g, s, tok, self.rewards, fields=cfg.data.fields(), max_prompt=max_prompt,
-                              context=setup.model_cfg.max_position_embeddings, mesh=self.sample_mesh,
+    self.stage = RolloutStage(g, s, cfg.env, tok, self.rewards, remax=cfg.advantage.estimator == "remax",
+                              fields=cfg.data.fields(), max_prompt=max_prompt, context=setup.model_cfg.max_position_embeddings, mesh=self.sample_mesh,
                               rules=s.rules(cfg.mesh.rules), model_reward=model_reward,
                               check_records=cfg.data.check_records)
     self.eval_prompts = []
@@ -114,10 +111,11 @@ class GrpoTask(Task):
     self.ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, self.reference)) if cfg.model.offload_reference \
         else self.logprobs
     self.report_kl = jax.jit(lambda logp, ref_logp, mask: adv_lib.masked_mean(
-        policy_lib.kl_penalty(logp, ref_logp, g.kl_kind), mask.astype(jnp.float32)), out_shardings=self.rep)
+        policy_lib.kl_penalty(logp, ref_logp, cfg.kl.kind), mask.astype(jnp.float32)), out_shardings=self.rep)
     self.critic = Critic(cfg, nnx.merge(graphdef, setup.full(setup.state.params)), mesh,
-                         self.rows // g.mini_batches) if g.adv_estimator == "gae" else None
-    self.kl_ctl = policy_lib.AdaptiveKL(g.kl_coef, g.kl_target, g.kl_horizon) if g.kl_ctrl == "adaptive" else None
+                         self.rows // g.mini_batches) if cfg.advantage.estimator == "gae" else None
+    kl = cfg.kl
+    self.kl_ctl = policy_lib.AdaptiveKL(kl.coef, kl.target, kl.horizon) if kl.ctrl == "adaptive" else None
     self.key = jax.random.key(cfg.seed)
     self.monitors = Monitors(entropy_floor=g.entropy_floor, no_signal_warn_steps=g.no_signal_warn_steps)
     self.initial = {}  # the initial policy's held-out accuracies
@@ -166,7 +164,7 @@ class GrpoTask(Task):
       extra["critic"] = self.critic.state
     if self.kl_ctl is not None:
       extra["kl_coef"] = jax.device_put(jnp.asarray(self.kl_ctl.value, jnp.float32), self.rep)
-    if self.cfg.grpo.max_kl_action == "lower_lr":
+    if self.cfg.kl.max_action == "lower_lr":
       extra["lr_scale"] = jax.device_put(jnp.asarray(self.lr_scale, jnp.float32), self.rep)
     return extra or None
 
@@ -243,7 +241,7 @@ class GrpoTask(Task):
   def train_step(self, state, step: int):
     """rollout -> update batch -> its log-prob columns (`self.plan`) -> advantages -> ppo_epochs x mini-batch
     updates -> metrics."""
-    cfg, g = self.cfg, self.cfg.grpo
+    cfg, g, kl = self.cfg, self.cfg.grpo, self.cfg.kl
     self.step = step
     t0 = time.perf_counter()
     rollout, waited = self.sampler.rollout(self.setup.full(state.params), step)
@@ -254,10 +252,12 @@ class GrpoTask(Task):
     evals = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_prompts)
     params = self.setup.full(state.params)
     batch, kl_pair, agreement = self._batch(params, trained, report_kl=logs or evals, agree=logs)
-    kl_coef = self.kl_ctl.value if self.kl_ctl is not None else g.kl_coef
-    batch, adv_metrics, no_signal = advantages(g, batch, trained, self.critic, kl_coef, self.batch_sharding)
+    kl_coef = self.kl_ctl.value if self.kl_ctl is not None else kl.coef
+    batch, adv_metrics, no_signal = advantages(cfg.advantage, batch, trained, critic=self.critic,
+                                               reward_kl=(kl.kind, kl_coef) if kl.in_reward else None,
+                                               dynamic_sampling=g.dynamic_sampling, sharding=self.batch_sharding)
     skip_update = no_signal and g.no_signal == "skip" and self.critic is None  # a critic still learns the returns
-    if self.plan.reference and not g.kl_in_reward and not skip_update:  # only the loss's KL term reads it
+    if self.plan.reference and not kl.in_reward and not skip_update:  # only the loss's KL term reads it
       batch = batch.replace(ref_logp=self.ref_logprobs(self.reference, batch))
     kl_to_ref = None if kl_pair is None else float(self.report_kl(*kl_pair, batch.response_mask))
     if self.kl_ctl is not None:  # kept in float32, as checkpointed, so a resumed run continues bitwise
@@ -273,7 +273,7 @@ class GrpoTask(Task):
     if kl_to_ref is not None:
       metrics["actor/kl_loss"] = kl_to_ref
     metrics.update(agreement)
-    if self.kl_ctl is not None or g.kl_in_reward:
+    if self.kl_ctl is not None or kl.in_reward:
       metrics["actor/kl_coef"] = kl_coef
     metrics.update(self._rollout_metrics(rollout, trained, waited, t0, t1))
     self._monitor(step, metrics, trained, no_signal)
@@ -291,7 +291,7 @@ class GrpoTask(Task):
     where the advantages need it); (policy, reference) log-probs to report the KL with on a step where the reference
     does not run anyway (`report_kl`), else None; and with `agree`, the agreement of the sampler's log-probs with the
     trainer's."""
-    g, plan = self.cfg.grpo, self.plan
+    plan = self.plan
     rows = RolloutBatch.of_groups(trained, self.setup.tok.pad_id)
     response_mask = rows.response_mask
     # Offline or asynchronous: the ratio is against the stored behaviour log-probs, or (a rollout correction) against
@@ -302,7 +302,7 @@ class GrpoTask(Task):
     if plan.current_old:
       batch = batch.replace(old_logp=self.logprobs(params, batch))
     kl_pair = None
-    if plan.reference and g.kl_in_reward:  # the rewards subtract the KL: the advantages need it
+    if plan.reference and self.cfg.kl.in_reward:  # the rewards subtract the KL: the advantages need it
       batch = batch.replace(ref_logp=self.ref_logprobs(self.reference, batch))
     elif not plan.reference and report_kl:  # the policy's log-probs before the update, as the loss sees them
       current = batch.old_logp if plan.current_old else self.logprobs(params, batch)
@@ -337,7 +337,7 @@ class GrpoTask(Task):
     return out
 
   def _monitor(self, step: int, metrics: dict, trained: Groups, no_signal: bool) -> None:
-    """The run's monitors (their signals into `metrics`, their warnings said) and grpo.max_kl."""
+    """The run's monitors (their signals into `metrics`, their warnings said) and kl.max."""
     example = trained.example(self.setup.tok, self.rewards.weights) if no_signal else ""
     signals, warnings = self.monitors.after_step(step, metrics, example)
     metrics.update(signals)
@@ -358,7 +358,7 @@ class GrpoTask(Task):
         mb = device_batch if g.mini_batches == 1 else self.take_rows(
             device_batch, jax.device_put(np.asarray(chunk, np.int32), self.rep))
         m = {}
-        if self.critic is None or step - 1 >= g.critic_warmup:
+        if self.critic is None or step - 1 >= self.cfg.critic.warmup:
           state, m = self._update_fn(mb.rows)(state, mb)
         if self.critic is not None:
           m = {**m, **self.critic.update(mb)}
@@ -369,18 +369,18 @@ class GrpoTask(Task):
     return state, metrics
 
   def _kl_bound(self, step: int, kl: float) -> None:
-    """grpo.max_kl: past it, lower the learning rate for the next steps or end the run here."""
-    g = self.cfg.grpo
-    if not g.max_kl or kl <= g.max_kl:
+    """kl.max: past it, lower the learning rate for the next steps or end the run here."""
+    bound = self.cfg.kl
+    if not bound.max or kl <= bound.max:
       return
-    if g.max_kl_action == "lower_lr":
-      self.lr_scale = float(np.float32(self.lr_scale * g.kl_lr_factor))
+    if bound.max_action == "lower_lr":
+      self.lr_scale = float(np.float32(self.lr_scale * bound.lr_factor))
       self.updates.clear()
-      self.say(f"step {step}: KL to the reference {kl:.4f} exceeds grpo.max_kl={g.max_kl}; learning rate lowered "
+      self.say(f"step {step}: KL to the reference {kl:.4f} exceeds kl.max={bound.max}; learning rate lowered "
                f"to {self.lr_scale:g} x optim.lr")
       self.log.write(step, {"monitor/lr_scale": self.lr_scale})
     else:
-      self.stop_reason = f"KL to the reference {kl:.4f} exceeds grpo.max_kl={g.max_kl}"
+      self.stop_reason = f"KL to the reference {kl:.4f} exceeds kl.max={bound.max}"
 
 
 def task(cfg: RunConfig) -> GrpoTask:

@@ -141,7 +141,7 @@ def run(cfg: RunConfig, task: Task) -> dict:
         save(step)
       if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
         evaluate_now(step, s.full(state.params))
-      if task.stop_reason and step < cfg.train.steps:  # the objective's own alarm (e.g. grpo.max_kl)
+      if task.stop_reason and step < cfg.train.steps:  # the objective's own alarm (e.g. kl.max)
         if not saved:
           save(step)
         writer.print(f"stopping at step {step}: {task.stop_reason}; checkpoint saved")

@@ -70,7 +70,7 @@ def test_over_optimisation_and_kl_bound_are_flagged(tmp_path):
   # rm curve 0.4 .. 0.9 in 10 steps: first fifth (0.400, 0.456), last fifth (0.844, 0.900)
   assert "WARNING 2_grpo: the reward model's score rose (0.428 -> 0.872, first and last fifth of the run) while " \
          "held-out accuracy fell (0.680 -> 0.600)" in text
-  assert "WARNING 2_grpo: KL to the reference reached 0.8000, above grpo.max_kl=0.5" in text
+  assert "WARNING 2_grpo: KL to the reference reached 0.8000, above kl.max=0.5" in text
 
 
 def test_single_run_directory(tmp_path):

@@ -103,10 +103,10 @@ def test_the_sampler_drives_the_tiny_policy():
 
 
 def test_grpo_trains_on_episodes(tmp_path):
-  """grpo.env: the tiny GRPO config on one-answer episodes ("answer": no tools, the shipped policy knows none) runs
+  """env.name: the tiny GRPO config on one-answer episodes ("answer": no tools, the shipped policy knows none) runs
   end to end and logs the agent metrics, and a step's update batch masks exactly the model's tokens."""
   cli.run("grpo.py:tiny", tmp_path, "--config.train.steps=2", "--config.train.log_every=1",
-          "--config.grpo.eval_examples=0", "--config.grpo.env=answer", "--config.grpo.env_max_turns=2", check=True)
+          "--config.grpo.eval_examples=0", "--config.env.name=answer", "--config.env.max_turns=2", check=True)
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   steps = [r for r in rows if "agent/turns/mean" in r]
   assert [r["step"] for r in steps] == [1, 2]
@@ -134,13 +134,12 @@ def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
   model's turns neither bootstrap nor accumulate, so each episode's GAE equals the textbook recursion (Schulman et
   al. 2016, NumPy here) run over its model tokens with the observations cut out, and is 0 on the observations. The
   outcome sits on the last model token."""
-  import dataclasses as dc
 
   import jax.numpy as jnp
 
   from jalign.data.prompts import Prompt
+  from jalign.losses.advantages import AdvantageSection
   from jalign.rl.batch import RolloutBatch
-  from jalign.rl.config import GrpoSection
   from jalign.rl.groups import Groups
   from jalign.rl.stage import advantages
   tok = tokenizer.load(path("tokenizers/qwen3"))
@@ -158,9 +157,9 @@ def test_gae_over_an_episode_equals_gae_over_the_models_tokens_alone():
     def values(self, batch):
       return jnp.asarray(values)
 
-  g = dc.replace(GrpoSection(), adv_estimator="gae", gamma=0.9, lam=0.8)
-  batch, _, _ = advantages(g, jax.tree.map(jnp.asarray, rows), groups, Critic(), 0.0,
-                           jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  batch, _, _ = advantages(AdvantageSection(estimator="gae", gamma=0.9, lam=0.8), jax.tree.map(jnp.asarray, rows),
+                           groups, critic=Critic(), reward_kl=None, dynamic_sampling=False,
+                           sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   adv, returns = np.asarray(batch.advantages), np.asarray(batch.returns)
   raw = []
   for k in range(len(out.rewards)):

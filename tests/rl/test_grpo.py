@@ -9,8 +9,8 @@ import pytest
 
 from jalign.core.errors import ConfigError
 from jalign.data.prompts import Prompt
+from jalign.losses.advantages import AdvantageSection
 from jalign.rl.batch import RolloutBatch
-from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups
 from jalign.rl.stage import advantages
 from jalign.tasks import grpo as grpo_train
@@ -42,28 +42,28 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(sampling__num_samples=1), r"config.sampling.num_samples=1: grpo compares completions of the same prompt"),
+    (dict(sampling__num_samples=1), r"config.sampling.num_samples=1: advantage.estimator='grpo' compares completions of the same prompt"),
     (dict(grpo__mini_batches=3), r"config.grpo.mini_batches=3 does not divide the 16 completions per step"),
-    (dict(grpo__clip_high=0.1), r"config.grpo.clip_high=0.1 must be >= clip_low=0.2"),
-    (dict(grpo__clip_c=0.5), r"config.grpo.clip_c=0.5: must be > 1"),
-    (dict(grpo__env="chess"), r"config.grpo.env=.chess.: unknown environment; registered: answer, calculator, python"),
+    (dict(policy_loss__clip_high=0.1), r"config.policy_loss.clip_high=0.1 must be >= clip_low=0.2"),
+    (dict(policy_loss__clip_c=0.5), r"config.policy_loss.clip_c=0.5: must be > 1"),
+    (dict(env__name="chess"), r"config.env.name=.chess.: unknown environment; registered: answer, calculator, python"),
     (dict(sampling__temperature=0.0), r"GRPO needs sampled"),
     (dict(sampling__slots=3), r"config.sampling.slots=3 cannot hold a group of sampling.num_samples=4"),
-    (dict(grpo__adv_estimator="ppo"), r"config.grpo.adv_estimator: 'ppo' is not accepted; accepted: 'grpo', "
+    (dict(advantage__estimator="ppo"), r"config.advantage.estimator: 'ppo' is not accepted; accepted: 'grpo', "
                                       r"'drgrpo', 'rloo', 'gae'"),
     (dict(grpo__prompts_per_step=3, grpo__mini_batches=1), r"12 completions per mini-batch do not split over "
                                                            r"data-parallel size \(data x fsdp = 8\)"),
-    (dict(grpo__adv_estimator="reinforce_pp", sampling__num_samples=1), r"dynamic_sampling=True drops groups whose "
+    (dict(advantage__estimator="reinforce_pp", sampling__num_samples=1), r"dynamic_sampling=True drops groups whose "
                                                                         r"rewards are all equal: with "
                                                                         r"sampling.num_samples=1 every group"),
-    (dict(grpo__adv_estimator="remax", grpo__buffer="runs/x"), r"'remax' samples a greedy baseline .* a replay "
+    (dict(advantage__estimator="remax", grpo__buffer="runs/x"), r"'remax' samples a greedy baseline .* a replay "
                                                                r"buffer \(grpo.buffer\) has none"),
-    (dict(grpo__rollout_is="token"), r"config.grpo.rollout_is='token': rollout corrections need behaviour log-probs "
-                                     r"of an older policy, which a replay buffer \(grpo.buffer\) or asynchronous "
+    (dict(policy_loss__rollout_is="token"), r"config.policy_loss.rollout_is='token': rollout corrections need "
+                                            r"behaviour log-probs of an older policy, which a replay buffer \(grpo.buffer\) or asynchronous "
                                      r"rollouts \(grpo.async_staleness > 0\)"),
-    (dict(grpo__rollout_rs="tokens"), r"config.grpo.rollout_rs: 'tokens' is not accepted; accepted: '', 'token', "
-                                      r"'sequence', 'geometric'"),
-    (dict(grpo__async_staleness=1, grpo__rollout_rs="token", grpo__rollout_rs_threshold_lower=3.0),
+    (dict(policy_loss__rollout_rs="tokens"), r"config.policy_loss.rollout_rs: 'tokens' is not accepted; accepted: "
+                                             r"'', 'token', 'sequence', 'geometric'"),
+    (dict(grpo__async_staleness=1, policy_loss__rollout_rs="token", policy_loss__rollout_rs_threshold_lower=3.0),
      r"rollout_rs_threshold_lower=3.0 must be below rollout_rs_threshold=2.0"),
     (dict(grpo__async_staleness=1, grpo__buffer="runs/x"), r"config.grpo.async_staleness=1 overlaps generation "
                                                            r"with the update; offline training"),
@@ -71,8 +71,13 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
                                                                   r"grpo.dynamic_sampling=True"),
     (dict(grpo__compact_sizes=3), r"config.grpo.compact_sizes=3: needs grpo.dynamic_sampling=True .* must divide "
                                   r"prompts_per_step=4"),
-    (dict(grpo__compact_sizes=2, grpo__agg="seq-mean-token-mean"), r"compact_sizes=2 with adv_estimator='grpo', "
-                                                                   r"agg='seq-mean-token-mean'"),
+    (dict(grpo__compact_sizes=2, policy_loss__agg="seq-mean-token-mean"), r"compact_sizes=2 with "
+                                                                          r"advantage.estimator='grpo', "
+                                                                          r"policy_loss.agg='seq-mean-token-mean'"),
+    (dict(critic__lr=1e-3), r"config.critic.lr=0.001: only advantage.estimator='gae' trains a critic"),
+    (dict(env__max_turns=8), r"config.env.max_turns=8: no environment is set \(env.name\)"),
+    (dict(grpo__kl_coef=0.1, grpo__env="calculator"), r"config.grpo.kl_coef: moved to config.kl.coef .*; "
+                                                      r"grpo.env is now env.name"),
     (dict(grpo__compact_sizes=4, grpo__mini_batches=1), r"compact_sizes=4: a size step of 4 completions per "
                                                         r"mini-batch does not split over data-parallel size"),
 ])
@@ -130,13 +135,13 @@ def test_compacted_update_equals_the_masked_one(tmp_path):
 
 
 def test_without_a_kl_term_the_reference_runs_only_where_the_kl_is_reported(tmp_path):
-  """kl_coef=0 drops the reference forward from the steps that log nothing (here step 1 of 3, logging every 2nd):
+  """kl.coef=0 drops the reference forward from the steps that log nothing (here step 1 of 3, logging every 2nd):
   the run ends at the weights of one that computes it on every step (a KL bound forces that) and reports the same
   KL to the reference where it logs."""
   from safetensors.numpy import load_file
-  common = ("--config.grpo.kl_coef=0", "--config.train.log_every=2", "--config.grpo.mini_batches=1",
+  common = ("--config.kl.coef=0", "--config.train.log_every=2", "--config.grpo.mini_batches=1",
             "--config.grpo.eval_examples=0")
-  _run(tmp_path / "every", *common, "--config.grpo.max_kl=1e9")
+  _run(tmp_path / "every", *common, "--config.kl.max=1e9")
   _run(tmp_path / "reported", *common)
   rows = {name: [r for r in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if "actor/pg_loss" in r]
           for name in ("every", "reported")}
@@ -153,7 +158,7 @@ def test_mini_batch_normaliser_is_the_mini_batch(tmp_path):
   """seq-mean-token-sum-norm divides each update's token sums by the mini-batch's rows x the response length (Dr.
   GRPO as verl and TRL now): with a negligible learning rate (the samples and on-policy ratios stay those of the
   first run), two mini-batches' mean pg_loss equals the single batch's (were B the step's rows, it would be half)."""
-  common = ("--config.grpo.agg=seq-mean-token-sum-norm", "--config.optim.lr=1e-12", "--config.train.steps=2",
+  common = ("--config.policy_loss.agg=seq-mean-token-sum-norm", "--config.optim.lr=1e-12", "--config.train.steps=2",
             "--config.grpo.eval_examples=0")
   losses = {}
   for mb in (1, 2):
@@ -173,15 +178,16 @@ def test_remax_advantages_subtract_the_greedy_reward():
                   lengths=mask.sum(1), scores=scores, baselines=baselines)
   batch = RolloutBatch.of_groups(groups, 0)
   np.testing.assert_array_equal(batch.response_mask, mask)
-  batch, metrics, no_signal = advantages(GrpoSection(adv_estimator="remax"), batch, groups, None, 0.0,
-                                         jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  batch, metrics, no_signal = advantages(AdvantageSection(estimator="remax"), batch, groups, critic=None,
+                                         reward_kl=None, dynamic_sampling=False,
+                                         sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   np.testing.assert_allclose(batch.advantages, (scores - baselines)[:, None] * mask)
   assert not no_signal
   assert metrics["critic/remax_baseline/mean"] == pytest.approx(0.5)
 
 
 def test_remax_runs_online(tmp_path):
-  _run(tmp_path / "r", "--config.grpo.adv_estimator=remax", "--config.train.steps=2")
+  _run(tmp_path / "r", "--config.advantage.estimator=remax", "--config.train.steps=2")
   steps = [json.loads(l) for l in open(tmp_path / "r" / "metrics.jsonl")]
   steps = [r for r in steps if "critic/remax_baseline/mean" in r]
   assert len(steps) == 2 and all(0.0 <= r["critic/remax_baseline/mean"] <= 1.0 for r in steps)
@@ -201,7 +207,7 @@ def test_offline_grpo_reads_the_rollout_buffer(tmp_path):
   # ppo_kl 0) and the behaviour log-probs weight the tokens: at step 1 the policy is the one that wrote the buffer,
   # so the weights are 1 up to the sampler's and the training forward's rounding.
   _run(tmp_path / "tis", f"--config.grpo.buffer={tmp_path / 'rollout' / 'buffer'}", "--config.grpo.mini_batches=1",
-       "--config.grpo.rollout_is=token", "--config.train.steps=2",
+       "--config.policy_loss.rollout_is=token", "--config.train.steps=2",
        "--config.grpo.eval_prompts=")
   steps = [json.loads(l) for l in open(tmp_path / "tis" / "metrics.jsonl") if "actor/pg_loss" in l]
   assert len(steps) == 2 and all(r["actor/ppo_kl"] == 0.0 for r in steps)
@@ -339,7 +345,7 @@ def test_rollout_corrections_equal_numpy(is_level, rs_level):
 
 
 def test_kl_bound_can_lower_the_learning_rate_instead_of_stopping(tmp_path):
-  out = _run(tmp_path / "r", "--config.grpo.max_kl=1e-9", "--config.grpo.max_kl_action=lower_lr",
+  out = _run(tmp_path / "r", "--config.kl.max=1e-9", "--config.kl.max_action=lower_lr",
              "--config.grpo.entropy_floor=10.0")
   assert "learning rate lowered to 0.5 x optim.lr" in out and "learning rate lowered to 0.25 x optim.lr" in out
   assert "warning: step 1: policy entropy" in out and "entropy collapse" in out  # floor set above any entropy
@@ -436,8 +442,8 @@ def test_a_reward_without_signal_is_reported_not_trained_on(tmp_path, capsys, mo
 def test_policy_loss_modes_train(tmp_path, mode):
   """Each of the 2025-26 policy losses (tests/losses/test_policy_modes.py checks their formulas) drives a real
   update: finite loss, a non-zero gradient, two mini-batches of one step."""
-  extra = ["--config.grpo.tau_neg=1.2"] if mode == "sapo" else []  # a key configs/grpo.py leaves at its default
-  _run(tmp_path / mode, f"--config.grpo.loss_mode={mode}", "--config.train.steps=1", "--config.grpo.eval_examples=0",
+  extra = ["--config.policy_loss.tau_neg=1.2"] if mode == "sapo" else []  # a key configs/grpo.py leaves at its default
+  _run(tmp_path / mode, f"--config.policy_loss.mode={mode}", "--config.train.steps=1", "--config.grpo.eval_examples=0",
        "--config.grpo.mini_batches=2", *extra)
   steps = [r for r in map(json.loads, open(tmp_path / mode / "metrics.jsonl")) if "actor/pg_loss" in r]
   assert len(steps) == 1 and np.isfinite(steps[0]["actor/pg_loss"]) and steps[0]["train/grad_norm"] > 0, steps

@@ -106,7 +106,7 @@ def test_filtered_sampling_is_compared_over_the_same_kept_set(tmp_path):
 
   cli.run("grpo.py:tiny", tmp_path, "--config.train.steps=2", "--config.train.log_every=1",
           "--config.grpo.eval_examples=0", "--config.sampling.top_p=0.9", "--config.sampling.top_k=6",
-          "--config.grpo.async_staleness=1", "--config.grpo.rollout_is=token", "--config.grpo.rollout_rs=token",
+          "--config.grpo.async_staleness=1", "--config.policy_loss.rollout_is=token", "--config.policy_loss.rollout_rs=token",
           "--config.grpo.mini_batches=1", check=True)
   steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "actor/pg_loss" in line]
   # Step 1 trains on the initial policy's rollouts (lag 0): over the kept set the weights are 1, none masked.

@@ -113,11 +113,11 @@ def test_tiny_ppo_runs_and_resumes_the_critic_and_kl_coefficient_exactly(tmp_pat
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(grpo__adv_estimator="grpo"), r"task 'ppo' trains a critic for GAE"),
-    (dict(grpo__kl_in_reward=False), r"kl_ctrl='adaptive' steers the KL subtracted from the reward"),
-    (dict(grpo__gamma=1.5), r"config.grpo.gamma=1.5: must be in \[0, 1\]"),
-    (dict(grpo__kl_target=0.0), r"config.grpo.kl_target=0.0: must be positive"),
-    (dict(grpo__value_clip=0.0), r"config.grpo.value_clip=0.0: must be positive"),
+    (dict(advantage__estimator="grpo"), r"task 'ppo' trains a critic for GAE"),
+    (dict(kl__in_reward=False), r"kl.ctrl='adaptive' steers the KL subtracted from the reward"),
+    (dict(advantage__gamma=1.5), r"config.advantage.gamma=1.5: must be in \[0, 1\]"),
+    (dict(kl__target=0.0), r"config.kl.target=0.0: must be positive"),
+    (dict(critic__value_clip=0.0), r"config.critic.value_clip=0.0: must be positive"),
 ])
 def test_bad_ppo_configs(overrides, message):
   with pytest.raises(ConfigError, match=message):

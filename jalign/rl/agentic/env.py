@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 
 from jalign.core.errors import ConfigError
+from jalign.core.sections import bounded
 from jalign.data.prompts import ground_truth_of
 from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH, Batch
 from jalign.rewards.verifiable import REGISTRY as REWARDS
@@ -158,6 +159,33 @@ def with_tools(tok, messages: list[dict], env: Env) -> tuple[list[dict], dict]:
 
 
 REGISTRY: dict[str, Callable[..., Env]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+  """Multi-turn RL (the run config's `env` section, read by GRPO and PPO): each sample is an episode of environment
+  `name`, turn by turn (sampling.max_new_tokens per turn), its final answer scored by the first verifiable reward of
+  reward.weights; name "" = one turn, scored by the whole reward section."""
+  name: str = ""                          # a registered environment: calculator, python, answer
+  max_turns: int = bounded(4, gt=0)       # turns per episode before it is cut
+  # How the model writes tool calls: hermes (Qwen), llama3 (JSON), mistral ([TOOL_CALLS]), compact (<<argument>>,
+  # one tool with one argument: for small models and short contexts)
+  tool_format: Literal["hermes", "llama3", "mistral", "compact"] = "hermes"
+  max_tokens: int = bounded(0, ge=0)      # an episode's token budget, prompt included; 0 = the model's context
+  # A turn's reward per failed tool call (malformed, unknown tool, bad arguments, an error): shaping on that turn's
+  # last token, added to the episode's return; 0 = the final answer's score alone
+  error_reward: float = bounded(0.0, ge=-1, le=0)
+
+  def check(self) -> None:
+    if not self.name:
+      changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+      if changed:
+        raise ConfigError(f"config.env.{changed[0]}={getattr(self, changed[0])!r}: no environment is set "
+                          f"(env.name); set env.name ({', '.join(sorted(REGISTRY))}) or leave env.{changed[0]} at "
+                          "its default")
+    elif self.name not in REGISTRY:
+      raise ConfigError(f"config.env.name={self.name!r}: unknown environment; registered: "
+                        f"{', '.join(sorted(REGISTRY))}")
 
 
 def register(name: str, factory: Callable[..., Env]) -> None:
