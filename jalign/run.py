@@ -29,6 +29,7 @@ from jalign.core.errors import ConfigError, UserError
 from jalign.core.sections import listing, to_dataclass
 from jalign.parallel import distributed
 from jalign.parallel.distributed import DistributedSection
+from jalign.rl.config import MOVED
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Task config: configs/<task>.py[:arg]", lock_config=True)
 _LIST_KEYS = flags.DEFINE_bool("list_keys", False, "Print every key of --config with its value, type and bounds")
@@ -78,6 +79,8 @@ def _flag_message(argv: list[str], e: Exception) -> str:
     for depth, key in enumerate(keys[1:], 1):
       if not isinstance(node, ml_collections.ConfigDict) or key not in node:
         where = ".".join(keys[:depth])
+        if where == "config.grpo" and key in MOVED:
+          return f"{flag.split('=', 1)[0]}: grpo.{key} moved to --config.{MOVED[key]}"
         accepted = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
         close = difflib.get_close_matches(key, accepted, n=1)
         return (f"{flag.split('=', 1)[0]}: {spec} has no key {where}.{key}"

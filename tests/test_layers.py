@@ -31,14 +31,20 @@ LAYERS = [
 RANK = {name: i for i, (layer, _) in enumerate(LAYERS) for name in layer}
 
 
-def _modules() -> dict[str, set[str]]:
-  """jalign module -> the jalign modules it imports."""
+def _paths() -> dict[str, str]:
+  """jalign module -> its file."""
   names = {}
   for root, _, files in os.walk(PACKAGE):
     for f in files:
       if f.endswith(".py"):
         rel = os.path.relpath(os.path.join(root, f), os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
         names[rel.removesuffix(".__init__")] = os.path.join(root, f)
+  return names
+
+
+def _modules() -> dict[str, set[str]]:
+  """jalign module -> the jalign modules it imports."""
+  names = _paths()
   graph = {}
   for module, path in names.items():
     targets = set()
@@ -95,3 +101,14 @@ def layout_block() -> str:
 def test_readme_layout_is_this_table():
   readme = open(os.path.join(os.path.dirname(PACKAGE), "README.md"), encoding="utf-8").read()
   assert layout_block() in readme, "README.md's layout differs from tests/test_layers.py's LAYERS:\n" + layout_block()
+
+
+def test_modules_stay_small_and_the_rl_step_reads_in_one_screen():
+  """No module over 400 lines; GRPO's train step (rollout -> batch -> log-prob plan -> advantages -> update) at most
+  40: growth goes into the stage, the plan or a new module, not the step."""
+  long = {m: n for m, path in _paths().items() if (n := len(open(path, encoding="utf-8").readlines())) > 400}
+  assert not long, f"modules over 400 lines: {long}"
+  source = ast.parse(open(_paths()["jalign.tasks.grpo"], encoding="utf-8").read())
+  step = next(n for n in ast.walk(source) if isinstance(n, ast.ClassDef) and n.name == "GrpoTask")
+  step = next(n for n in step.body if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+  assert step.end_lineno - step.lineno + 1 <= 40, f"GrpoTask.train_step: {step.end_lineno - step.lineno + 1} lines"

@@ -363,6 +363,7 @@ def test_shared_prompts_equal_the_full_forward(r):
   import jax.numpy as jnp
   import numpy as np
 
+  from jalign import kernels
   from jalign.objectives import grpo
 
   graphdef, params = _tiny_model()
@@ -380,12 +381,14 @@ def test_shared_prompts_equal_the_full_forward(r):
       response=jnp.asarray(response, jnp.int32), response_mask=jnp.asarray(response_mask),
       advantages=jnp.asarray(rng.randn(groups * g, r), jnp.float32),
       ref_logp=jnp.asarray(-rng.rand(groups * g, r) * 4, jnp.float32))
-  full = grpo.response_logprobs(graphdef, params, batch, 1.0)
-  shared = grpo.response_logprobs(graphdef, params, batch, 1.0, group_size=g)
+  # jitted: run op by op, the model's forward and backward take minutes on 2 cores
+  logprobs = jax.jit(grpo.response_logprobs, static_argnums=(0, 3, 4, 5))
+  full = logprobs(graphdef, params, batch, 1.0)
+  shared = logprobs(graphdef, params, batch, 1.0, kernels.LogprobOptions(), g)
   mask = response_mask.astype(bool)
   for a, b in zip(full, shared):
     np.testing.assert_allclose(np.asarray(b)[mask], np.asarray(a)[mask], rtol=1e-5, atol=1e-6)
-  loss = lambda c: jax.value_and_grad(lambda prm: grpo.make_loss_fn(graphdef, c)(prm, batch)[0])(params)  # noqa
+  loss = lambda c: jax.jit(jax.value_and_grad(lambda prm: grpo.make_loss_fn(graphdef, c)(prm, batch)[0]))(params)  # noqa
   (la, ga), (lb, gb) = loss(grpo.GrpoLossConfig(kl_coef=0.1)), loss(grpo.GrpoLossConfig(kl_coef=0.1, group_size=g))
   np.testing.assert_allclose(lb, la, rtol=1e-5)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):

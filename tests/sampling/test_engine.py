@@ -81,10 +81,16 @@ def test_refilled_slots_do_not_see_earlier_requests(llama):
   out = sampling.generate(lm, ids, mask, jax.random.key(2), max_new_tokens=MAX_NEW, num_samples=2, slots=2, chunk=3,
                           temperature=1.0)
   tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
+  # Every request's prompt and tokens in one right-padded forward (causal: the padding after a row's tokens does not
+  # reach them), one program instead of one per length.
+  rows = [np.concatenate([ids[n // 2][mask[n // 2] == 1], tokens[n, :lengths[n]]]) for n in range(len(tokens))]
+  full = np.zeros((len(rows), max(map(len, rows))), np.int32)
+  for n, row in enumerate(rows):
+    full[n, :len(row)] = row
+  all_logits = np.asarray(lm(jnp.asarray(full), jnp.ones_like(jnp.asarray(full))), np.float64)
   for n in range(len(tokens)):
     real = ids[n // 2][mask[n // 2] == 1]
-    full = np.concatenate([real, tokens[n, :lengths[n]]])[None]
-    logits = np.asarray(lm(jnp.asarray(full), jnp.ones_like(jnp.asarray(full))), np.float64)[0]
+    logits = all_logits[n, :len(rows[n])]
     logp = logits - scipy.special.logsumexp(logits, axis=-1, keepdims=True)
     want = logp[len(real) - 1:-1][np.arange(lengths[n]), tokens[n, :lengths[n]]]
     np.testing.assert_allclose(logprobs[n, :lengths[n]], want, atol=2e-5)

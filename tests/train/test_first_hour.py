@@ -200,6 +200,16 @@ def test_help_exits_0_and_says_how_to_list_keys():
   assert proc.stdout.startswith("usage: python -m jalign.run --config=") and "--list_keys" in proc.stdout
 
 
+def test_a_mistyped_or_moved_key_on_the_command_line_is_named_with_what_to_write():
+  from jalign.run import _flag_message
+  argv = ["jalign.run", f"--config={ROOT}/configs/grpo.py:tiny", "--config.grpo.promts=p.jsonl"]
+  assert _flag_message(argv, KeyError("promts")).startswith(
+      f"--config.grpo.promts: {ROOT}/configs/grpo.py:tiny has no key config.grpo.promts (did you mean "
+      "config.grpo.prompts?); keys of config.grpo: async_staleness, buffer, ")
+  argv[-1] = "--config.grpo.kl_coef=0"  # a key that moved to the section of the code that reads it
+  assert _flag_message(argv, KeyError("kl_coef")) == "--config.grpo.kl_coef: grpo.kl_coef moved to --config.kl.coef"
+
+
 def test_list_keys_prints_every_key_with_value_type_and_bounds(tmp_path):
   proc = cli.run("grpo.py:tiny", None, "--config.train.steps=7", "--list_keys", timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
