@@ -11,12 +11,14 @@ PACKAGE = os.path.dirname(jalign.__file__)
 LAYERS = [
     (("core",), "user-facing errors; atomic file writes; config sections (dataclasses built from ConfigDicts, every "
                 "key, type and bound checked); the GGUF file reader"),
-    (("kernels", "tokenizers"), "attention, decode attention, log-probs / entropy / KL (xla, chunked, Pallas); "
-                                "tokenizer.json and chat templates (sandboxed jinja2), SentencePiece and GGUF vocabularies"),
+    (("kernels", "tokenizers"), "attention, decode attention, log-probs / entropy / KL / JSD (xla, chunked, "
+                                "Pallas); tokenizer.json and chat templates (sandboxed jinja2), SentencePiece and GGUF "
+                                "vocabularies"),
     (("models",), "the NNX decoder, reward models, HF and GGUF in/out, sharding rules, LoRA"),
     (("parallel",), "meshes, batch and optimizer shardings, multi-process start-up, TPU compile targets"),
     (("sampling",), "generate and the continuous-batching engine"),
-    (("losses",), "advantages, policy-gradient losses and aggregation (verl), the DPO family"),
+    (("losses",), "advantages, policy-gradient losses and aggregation (verl), the DPO family, distillation "
+                  "divergences"),
     (("objectives",), "loss functions per objective (sft, reward, dpo, grpo, ppo's critic)"),
     (("data",), "sources, published layouts, SFT / preference / prompt encoding, Grain pipelines, the demo task"),
     (("rewards",), "verifiable rewards, rewards from reward models, reward-model ensembles on disk"),

@@ -42,7 +42,8 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(sampling__num_samples=1), r"config.sampling.num_samples=1: advantage.estimator='grpo' compares completions of the same prompt"),
+    (dict(sampling__num_samples=1), r"config.sampling.num_samples=1: advantage.estimator='grpo' compares "
+                                    r"completions of the same prompt"),
     (dict(grpo__mini_batches=3), r"config.grpo.mini_batches=3 does not divide the 16 completions per step"),
     (dict(policy_loss__clip_high=0.1), r"config.policy_loss.clip_high=0.1 must be >= clip_low=0.2"),
     (dict(policy_loss__clip_c=0.5), r"config.policy_loss.clip_c=0.5: must be > 1"),
@@ -59,7 +60,8 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
     (dict(advantage__estimator="remax", grpo__buffer="runs/x"), r"'remax' samples a greedy baseline .* a replay "
                                                                r"buffer \(grpo.buffer\) has none"),
     (dict(policy_loss__rollout_is="token"), r"config.policy_loss.rollout_is='token': rollout corrections need "
-                                            r"behaviour log-probs of an older policy, which a replay buffer \(grpo.buffer\) or asynchronous "
+                                            r"behaviour log-probs of an older policy, which a replay buffer "
+                                            r"\(grpo.buffer\) or asynchronous "
                                      r"rollouts \(grpo.async_staleness > 0\)"),
     (dict(policy_loss__rollout_rs="tokens"), r"config.policy_loss.rollout_rs: 'tokens' is not accepted; accepted: "
                                              r"'', 'token', 'sequence', 'geometric'"),
@@ -388,7 +390,8 @@ def test_shared_prompts_equal_the_full_forward(r):
   mask = response_mask.astype(bool)
   for a, b in zip(full, shared):
     np.testing.assert_allclose(np.asarray(b)[mask], np.asarray(a)[mask], rtol=1e-5, atol=1e-6)
-  loss = lambda c: jax.jit(jax.value_and_grad(lambda prm: grpo.make_loss_fn(graphdef, c)(prm, batch)[0]))(params)  # noqa
+  loss = lambda c: jax.jit(jax.value_and_grad(  # noqa: E731
+      lambda prm: grpo.make_loss_fn(graphdef, c)(prm, batch)[0]))(params)
   (la, ga), (lb, gb) = loss(grpo.GrpoLossConfig(kl_coef=0.1)), loss(grpo.GrpoLossConfig(kl_coef=0.1, group_size=g))
   np.testing.assert_allclose(lb, la, rtol=1e-5)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
