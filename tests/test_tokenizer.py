@@ -252,3 +252,44 @@ def test_bad_sentencepiece_file_is_named(tmp_path):
   (tmp_path / "tokenizer.model").write_bytes(b"\x0a\xff\xff\xff\x0f")
   with pytest.raises(jtok.TokenizerError, match="tokenizer.model: not a SentencePiece model"):
     jtok.load(str(tmp_path))
+
+
+def test_a_student_and_teacher_share_the_vocabulary_of_their_tokenizer_not_their_padded_rows(tmp_path):
+  """Qwen3's tokenizer under two models padded to different row counts: the shared ids are the tokenizer's; a model
+  with fewer rows than its tokenizer's tokens is not that tokenizer's."""
+  from tests import realdata
+  qwen = realdata.path("tokenizers/qwen3")
+  tokens = Tokenizer.from_file(os.path.join(qwen, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+  tok = jtok.load(qwen)
+  assert jtok.shared_vocabulary(tok, tok, student_rows=151936, teacher_rows=152064) == tokens
+  with pytest.raises(jtok.TokenizerError, match=f"have {tokens} tokens, more than the student model's 1000 "):
+    jtok.shared_vocabulary(tok, tok, student_rows=1000, teacher_rows=152064)
+
+
+def test_different_tokenizers_name_the_first_id_that_differs():
+  """Qwen3 and Llama 3 (both byte-level BPE, alike for their first ids): the error names both tokenizers and the
+  first id whose tokens differ, as the tokenizers library itself reads them."""
+  from tests import realdata
+  qwen, llama = realdata.path("tokenizers/qwen3"), realdata.path("tokenizers/llama3")
+  a, b = (Tokenizer.from_file(os.path.join(p, "tokenizer.json")) for p in (qwen, llama))
+  first = next(i for i in range(200000) if a.id_to_token(i) != b.id_to_token(i))
+  with pytest.raises(jtok.TokenizerError) as e:
+    jtok.shared_vocabulary(jtok.load(qwen), jtok.load(llama), student_rows=151936, teacher_rows=128256)
+  assert str(e.value).startswith(f"the student's tokenizer {qwen} and the teacher's {llama} differ at id {first}: "
+                                 f"{a.id_to_token(first)!r} in the student's, {b.id_to_token(first)!r} in the "
+                                 "teacher's; distillation compares"), str(e.value)
+
+
+def test_a_token_the_student_lacks_is_named(hf_tokenizer_dirs, tmp_path):
+  student_dir, teacher_dir = next(iter(hf_tokenizer_dirs.values()))[1], tmp_path / "teacher"
+  tk = Tokenizer.from_file(os.path.join(student_dir, "tokenizer.json"))
+  tk.add_tokens(["<extra_tool>"])  # a teacher whose tokenizer has one token more
+  os.makedirs(teacher_dir)
+  tk.save(str(teacher_dir / "tokenizer.json"))
+  with open(os.path.join(student_dir, "tokenizer_config.json")) as f:
+    (teacher_dir / "tokenizer_config.json").write_text(f.read())
+  student, teacher = jtok.load(student_dir), jtok.load(str(teacher_dir))
+  n = student.vocab_size
+  with pytest.raises(jtok.TokenizerError, match=f"differ at id {n}: no token in the student's, '<extra_tool>' in "
+                                                "the teacher's"):
+    jtok.shared_vocabulary(student, teacher, student_rows=n, teacher_rows=n + 1)

@@ -224,3 +224,25 @@ def load(path: str) -> Tokenizer:
     template = _read_json(json_file).get("chat_template")
     files["chat_template"] = json_file
   return Tokenizer(tk, config, template, source=path, files=files)
+
+
+def shared_vocabulary(student: Tokenizer, teacher: Tokenizer, *, student_rows: int, teacher_rows: int) -> int:
+  """The number of token ids a student and a teacher share, to slice both models' logits to before comparing their
+  distributions token by token (distillation): the tokenizers' common vocabulary, when every id means the same token
+  in both; the models' embedding rows past it are padding (Qwen pads 151,669 tokens to 151,936 or 152,064 rows) and
+  are left out. Anything else is a `TokenizerError` naming both tokenizers and the first id that differs."""
+  s_vocab, t_vocab = student.tk.get_vocab(with_added_tokens=True), teacher.tk.get_vocab(with_added_tokens=True)
+  s_ids, t_ids = {i: t for t, i in s_vocab.items()}, {i: t for t, i in t_vocab.items()}
+  names = f"the student's tokenizer {student.source} and the teacher's {teacher.source}"
+  for i in range(max(max(s_ids), max(t_ids)) + 1):
+    if s_ids.get(i) != t_ids.get(i):
+      said = lambda t: "no token" if t is None else repr(t)  # noqa: E731
+      raise TokenizerError(f"{names} differ at id {i}: {said(s_ids.get(i))} in the student's, "
+                           f"{said(t_ids.get(i))} in the teacher's; distillation compares the two distributions "
+                           "token by token, so the models must share a tokenizer")
+  shared = max(s_ids) + 1
+  for who, rows in (("student", student_rows), ("teacher", teacher_rows)):
+    if rows < shared:
+      raise TokenizerError(f"{names} have {shared} tokens, more than the {who} model's {rows} embedding rows: the "
+                           "tokenizer does not belong to that model")
+  return shared
