@@ -22,6 +22,7 @@ from jalign.kernels.logprobs import LogprobOptions
 from jalign.losses.advantages import AdvantageSection
 from jalign.losses.policy import KlSection
 from jalign.models.config import ModelSection
+from jalign.objectives.distill import DistillSection
 from jalign.objectives.dpo import DpoSection
 from jalign.objectives.grpo import PolicyLossSection
 from jalign.objectives.ppo import CriticSection
@@ -92,7 +93,7 @@ class LogSection:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   # what the run does (`jalign.tasks`); a chain of them is configs/pipeline.py
-  task: Literal["sft", "rollout", "grpo", "ppo", "rm", "dpo", "eval"] = "sft"
+  task: Literal["sft", "rollout", "grpo", "ppo", "rm", "dpo", "distill", "eval"] = "sft"
   run_dir: str = "runs/default"           # checkpoints, metrics, exports and the report; a rerun resumes here
   seed: int = 0                           # model initialisation, data order, sampling
   tokenizer: str = ""                  # directory with tokenizer.json; "" = model.path
@@ -115,6 +116,7 @@ class RunConfig:
   env: EnvSection = EnvSection()
   rm: RewardModelSection = RewardModelSection()
   dpo: DpoSection = DpoSection()
+  distill: DistillSection = DistillSection()   # a teacher distilled into the model (task 'distill')
   distributed: DistributedSection = DistributedSection()   # multi-process start-up (jalign.parallel.distributed)
   eval: EvalSection = EvalSection()    # held-out evaluation of a checkpoint (jalign.eval.policy)
 
@@ -132,11 +134,21 @@ READS = {
     "ppo": _TRAINING + ("logprobs", "sampling", "reward") + _RL,
     "rollout": _COMMON + ("mesh", "sampling", "reward", "rollout"),
     "eval": _COMMON + ("eval",),
+    # distillation by mode (`distill.mode`): on_policy is the RL update with the teacher's per-token reverse KL as
+    # its reward, so it sets the KL and advantage settings itself
+    "distill": _TRAINING + ("logprobs", "distill"),
+    "distill/gkd": _TRAINING + ("logprobs", "distill", "sampling"),
+    "distill/on_policy": _TRAINING + ("logprobs", "distill", "sampling", "reward", "grpo", "policy_loss", "env"),
 }
 _RL_TRAIN = {"batch_size": "a step's batch is grpo.prompts_per_step x sampling.num_samples completions",
              "micro_batches": "a step's updates are grpo.mini_batches",
              "eval_batches": "held-out prompts are grpo.eval_prompts", "eval_examples": "see grpo.eval_examples"}
-UNREAD_KEYS = {"grpo": {"train": _RL_TRAIN}, "ppo": {"train": _RL_TRAIN}}
+UNREAD_KEYS = {"grpo": {"train": _RL_TRAIN}, "ppo": {"train": _RL_TRAIN}, "distill/on_policy": {"train": _RL_TRAIN}}
+
+
+def reads_key(cfg) -> str:
+  """The `READS` / `UNREAD_KEYS` entry of a config: its task, with distillation's mode beyond offline."""
+  return cfg.task if cfg.task != "distill" or cfg.distill.mode == "offline" else f"distill/{cfg.distill.mode}"
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -168,23 +180,32 @@ def validate(values, num_devices: int) -> RunConfig:
   sizes = [s if s != -1 else num_devices // fixed for s in m.shape]
   dp = sizes[0] * sizes[1]
   _check_reads(cfg)
-  if "train" in READS[cfg.task] and "batch_size" not in UNREAD_KEYS.get(cfg.task, {}).get("train", {}) and \
+  key = reads_key(cfg)
+  if "train" in READS[key] and "batch_size" not in UNREAD_KEYS.get(key, {}).get("train", {}) and \
       t.batch_size % (dp * t.micro_batches):
     raise ConfigError(f"config.train.batch_size={t.batch_size} is not divisible by data-parallel size "
                       f"(data x fsdp = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
                       f"{dp * t.micro_batches}")
-  cfg.data.check(cfg.task, t.seq_len)
+  cfg.data.check("grpo" if key == "distill/on_policy" else cfg.task, t.seq_len)
   if cfg.task == "rm":
     cfg.rm.check(export_hf=cfg.checkpoint.export_hf)
   if cfg.task == "dpo":
     cfg.dpo.check()
-  if cfg.task in ("rollout", "grpo", "ppo"):
+  if key in ("rollout", "grpo", "ppo", "distill/gkd", "distill/on_policy"):
     cfg.sampling.check()
   if cfg.task in ("rollout", "grpo", "ppo"):
     cfg.rollout.check(cfg.task, cfg.run_dir)
     cfg.reward.check()
   if cfg.task in ("grpo", "ppo"):
     rl_config.check(cfg, dp)
+  if cfg.task == "distill":
+    cfg.distill.check()
+    if cfg.distill.mode == "gkd" and cfg.data.packing:
+      raise ConfigError("config.data.packing=True with distill.mode='gkd': the student re-samples each row's "
+                        "completion, so a row must hold one example; set data.packing=False")
+    if cfg.distill.mode == "on_policy":
+      cfg.reward.check()
+      rl_config.check(on_policy_config(cfg), dp)
   _validate_lora(cfg)
   if cfg.task == "eval":
     cfg.eval.check(cfg.model.path)
@@ -200,22 +221,31 @@ def validate(values, num_devices: int) -> RunConfig:
 
 
 def _check_reads(cfg: RunConfig) -> None:
-  """A ConfigError naming the first setting `cfg.task` does not read (`READS`, `UNREAD_KEYS`) that differs from its
-  default."""
-  default, reads = RunConfig(), READS[cfg.task]
+  """A ConfigError naming the first setting `cfg.task` (and mode) does not read (`READS`, `UNREAD_KEYS`) that differs
+  from its default."""
+  entry = reads_key(cfg)
+  default, reads = RunConfig(), READS[entry]
+  who = f"the {cfg.task} task" + ("" if entry == cfg.task else f" in mode {cfg.distill.mode!r}")
   for field in dataclasses.fields(RunConfig):
     section = getattr(cfg, field.name)
     if not dataclasses.is_dataclass(section):
       continue
     unread = {f.name: "" for f in dataclasses.fields(section)} if field.name not in reads else \
-        UNREAD_KEYS.get(cfg.task, {}).get(field.name, {})
+        UNREAD_KEYS.get(entry, {}).get(field.name, {})
     for key, instead in unread.items():
       value, base = getattr(section, key), getattr(getattr(default, field.name), key)
       if value != base:
         what = f"config.{field.name}.{key}; {instead}" if instead else \
             f"config.{field.name} (it reads {', '.join(reads)})"
-        raise ConfigError(f"config.{field.name}.{key}={value!r}: the {cfg.task} task does not read {what}. Leave it "
-                          f"at its default ({base!r}) or remove the setting")
+        raise ConfigError(f"config.{field.name}.{key}={value!r}: {who} does not read {what}. Leave it at its "
+                          f"default ({base!r}) or remove the setting")
+
+
+def on_policy_config(cfg: RunConfig) -> RunConfig:
+  """The RL config on-policy distillation runs the GRPO update with: the teacher is the reference, its per-token
+  reverse KL (k1, `distill.coef`) the reward; the advantages are distillation's own
+  (`losses.distill.on_policy_advantages`)."""
+  return dataclasses.replace(cfg, kl=KlSection(coef=cfg.distill.coef, kind="k1", in_reward=True))
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -223,7 +253,8 @@ def check_paths(cfg: RunConfig) -> None:
   stage's model is the previous stage's export)."""
   named = {"model.path": cfg.model.path, "tokenizer": cfg.tokenizer, "reward.model": cfg.reward.model,
            "eval.reference": cfg.eval.reference if cfg.task == "eval" else "",
-           "eval.reward_model": cfg.eval.reward_model if cfg.task == "eval" else ""}
+           "eval.reward_model": cfg.eval.reward_model if cfg.task == "eval" else "",
+           "distill.teacher": cfg.distill.teacher, "distill.teacher_tokenizer": cfg.distill.teacher_tokenizer}
   for key, path in named.items():
     if path and "://" not in path and not os.path.exists(path):
       raise ConfigError(f"config.{key}={path!r}: not found (no such file or directory)")

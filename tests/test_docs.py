@@ -19,7 +19,7 @@ def test_config_reference_is_current():
 
 
 METRIC = re.compile(r"\"((?:actor|critic|eval|train|rollout|perf|timing_s|data|mismatch|monitor|agent|response_length|"
-                    r"rewards|logps|rm)/[A-Za-z0-9_/@]+)\"")
+                    r"rewards|logps|rm|distill)/[A-Za-z0-9_/@]+)\"")
 
 
 def test_every_logged_metric_is_in_the_glossary():
@@ -56,7 +56,7 @@ SMOKE = _smoke_commands()
 def test_every_task_page_has_a_smoke_command():
   pages = {page for page, _, _ in SMOKE}
   assert pages >= {"sft.md", "reward-models.md", "dpo.md", "rl.md", "tools.md", "chain.md", "real-models.md",
-                   "scale-out.md", "reliability.md"}, pages
+                   "scale-out.md", "reliability.md", "distill.md"}, pages
 
 
 @pytest.mark.parametrize("page,command,fails", SMOKE, ids=[f"{p}:{' '.join(c[3:4])}" for p, c, _ in SMOKE])

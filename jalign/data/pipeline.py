@@ -262,14 +262,14 @@ class DataSection:
 
   def check(self, task: str, seq_len: int) -> None:
     """What each task needs of its data (`seq_len`: the train section's row length)."""
-    if task in ("sft", "rm", "dpo") and not self.train:
+    if task in ("sft", "rm", "dpo", "distill") and not self.train:
       raise ConfigError("config.data.train: empty; give a data file/glob, tfds:NAME:SPLIT@DIR or synthetic:TASK")
     if self.group_by_length and self.packing:
       raise ConfigError(f"config.data.group_by_length={self.group_by_length} groups unpacked batches by length; "
                         "packed rows have none to group: set data.packing=False or data.group_by_length=0")
     if self.buckets and max(self.buckets) > seq_len:
       raise ConfigError(f"config.data.buckets={self.buckets}: largest bucket exceeds train.seq_len={seq_len}")
-    if task == "sft" and self.packing and self.max_length > seq_len:
+    if task in ("sft", "distill") and self.packing and self.max_length > seq_len:
       raise ConfigError(f"config.data.max_length={self.max_length} exceeds config.train.seq_len={seq_len}: a packed "
                         "example must fit one row")
     if task in ("rm", "dpo"):

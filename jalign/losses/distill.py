@@ -36,3 +36,17 @@ def generalized_jsd(student_logits_XxV: jax.Array, teacher_logits_XxV: jax.Array
   log_ps = jax.nn.log_softmax(student_logits_XxV.astype(dtype) / temperature, axis=-1)
   log_pt = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits_XxV).astype(dtype) / temperature, axis=-1)
   return log_divergence(log_ps, log_pt, beta)
+
+
+def on_policy_advantages(student_logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: jax.Array, *,
+                         coef: float = 1.0, outcome_BxT: jax.Array | None = None) -> jax.Array:
+  """On-policy distillation's advantages [B, T] of sampled tokens: each token's reward is -coef x (log pi_student -
+  log pi_teacher) of that token (the single-sample estimate of the reverse KL, k1), with discount 0, so the advantage
+  of a token is its own reward: no baseline, no whitening (Agarwal et al. 2024; Lu & Thinking Machines 2025,
+  "On-policy distillation"). `outcome_BxT`: a sequence-level advantage (e.g. GRPO's of a verifiable reward) broadcast
+  over the response, added. 0 off the mask (prompt, padding, tool observations)."""
+  mask = mask_BxT.astype(jnp.float32)
+  adv = -coef * (student_logp_BxT.astype(jnp.float32) - teacher_logp_BxT.astype(jnp.float32))
+  if outcome_BxT is not None:
+    adv = adv + outcome_BxT.astype(jnp.float32)
+  return adv * mask

@@ -1,6 +1,6 @@
 """The tasks a config's `task` key names, one module each, and the one registry `run.py`, the chain and the fit check
 read: sft, rm (reward models), dpo (the DPO family and KTO), grpo and ppo (online, offline and asynchronous RL),
-rollout (sampling into a replay buffer) and eval; `chain` runs several of them in a row.
+distill (a teacher into the student: offline, GKD, on-policy), rollout (sampling into a replay buffer) and eval; `chain` runs several of them in a row.
 
 A training task is a `jalign.train.task.Task`: the shared loop runs it, and its module's `task(cfg)` builds it."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 
 MODULES = {"sft": "sft", "rm": "rm", "dpo": "dpo", "grpo": "grpo", "ppo": "grpo", "rollout": "rollout",
-           "eval": "eval"}
-TRAINING = ("sft", "rm", "grpo", "ppo", "dpo")  # the tasks that train and export a model (a chain's stages)
+           "distill": "distill", "eval": "eval"}
+TRAINING = ("sft", "rm", "grpo", "ppo", "dpo", "distill")  # the tasks that train and export a model (a chain's stages)
 
 
 def module(task: str):

@@ -107,9 +107,7 @@ class GrpoTask(Task):
     self.kept_logprobs = jax.jit(lambda params, batch: objective.kept_logprobs(
         graphdef, params, batch, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         group_size=self.group_size), out_shardings=self.batch_sharding)  # lax.map's result would be replicated
-    self.reference = setup.reference()
-    self.ref_logprobs = jax.jit(parallel.fetching(logprobs_fn, self.reference)) if cfg.model.offload_reference \
-        else self.logprobs
+    self.reference, self.ref_logprobs = self.make_reference(setup, logprobs_fn)
     self.report_kl = jax.jit(lambda logp, ref_logp, mask: adv_lib.masked_mean(
         policy_lib.kl_penalty(logp, ref_logp, cfg.kl.kind), mask.astype(jnp.float32)), out_shardings=self.rep)
     self.critic = Critic(cfg, nnx.merge(graphdef, setup.full(setup.state.params)), mesh,
@@ -126,6 +124,12 @@ class GrpoTask(Task):
 
   def rollout_mesh_shape(self) -> tuple:
     return tuple(self.cfg.grpo.rollout_mesh)
+
+  def make_reference(self, setup: Setup, logprobs_fn):
+    """(reference params, jitted (params, batch) -> its log-probs [N, R] of the responses): the initial policy."""
+    reference = setup.reference()
+    fetched = self.cfg.model.offload_reference  # its forward copies it to the device first
+    return reference, jax.jit(parallel.fetching(logprobs_fn, reference)) if fetched else self.logprobs
 
   # The update, as the run and the fit check build it ------------------------------------------------------------
   def micro_batches(self) -> int:
@@ -253,9 +257,7 @@ class GrpoTask(Task):
     params = self.setup.full(state.params)
     batch, kl_pair, agreement = self._batch(params, trained, report_kl=logs or evals, agree=logs)
     kl_coef = self.kl_ctl.value if self.kl_ctl is not None else kl.coef
-    batch, adv_metrics, no_signal = advantages(cfg.advantage, batch, trained, critic=self.critic,
-                                               reward_kl=(kl.kind, kl_coef) if kl.in_reward else None,
-                                               dynamic_sampling=g.dynamic_sampling, sharding=self.batch_sharding)
+    batch, adv_metrics, no_signal = self.advantages(batch, trained, kl_coef)
     skip_update = no_signal and g.no_signal == "skip" and self.critic is None  # a critic still learns the returns
     if self.plan.reference and not kl.in_reward and not skip_update:  # only the loss's KL term reads it
       batch = batch.replace(ref_logp=self.ref_logprobs(self.reference, batch))
@@ -278,6 +280,13 @@ class GrpoTask(Task):
     metrics.update(self._rollout_metrics(rollout, trained, waited, t0, t1))
     self._monitor(step, metrics, trained, no_signal)
     return state, StepOut(metrics, records=[p.where for p in trained.prompts])
+
+  def advantages(self, batch: RolloutBatch, trained: Groups, kl_coef: float):
+    """(batch with its advantages, metrics, whether every advantage is 0): `rl.stage.advantages`."""
+    cfg, kl = self.cfg, self.cfg.kl
+    return advantages(cfg.advantage, batch, trained, critic=self.critic,
+                      reward_kl=(kl.kind, kl_coef) if kl.in_reward else None,
+                      dynamic_sampling=cfg.grpo.dynamic_sampling, sharding=self.batch_sharding)
 
   def _compacted(self, sampled: Groups) -> Groups:
     """grpo.compact_sizes: the groups the loss would mask left out (the same loss for less work)."""

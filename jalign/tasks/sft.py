@@ -17,18 +17,24 @@ class SftTask(Task):
     return sft_data.encode(record, tok, max_length=max_length, truncation=truncation)
 
   def evaluate(self, setup, params) -> dict:
+    examples = self.eval_examples()
+    return {"eval/exact_match": sft.exact_match(setup.graphdef, params, examples)} if examples else {}
+
+  def eval_examples(self) -> list[dict]:
+    """The held-out examples of the exact-match check (train.eval_examples of data.eval, encoded once)."""
     cfg = self.cfg
     if not cfg.data.eval or not cfg.train.eval_examples:
-      return {}
-    source = open_source(cfg.data.eval, cfg.data.fields())
-    examples = []
-    for i in range(min(len(source), cfg.train.eval_examples)):
-      try:
-        examples.append(sft_data.encode(source[i], setup.tok, max_length=cfg.data.max_length,
-                                        truncation=cfg.data.truncation))
-      except DataError:
-        continue
-    return {"eval/exact_match": sft.exact_match(setup.graphdef, params, examples)}
+      return []
+    if getattr(self, "_eval_examples", None) is None:
+      source = open_source(cfg.data.eval, cfg.data.fields())
+      self._eval_examples = []
+      for i in range(min(len(source), cfg.train.eval_examples)):
+        try:
+          self._eval_examples.append(sft_data.encode(source[i], self.tok, max_length=cfg.data.max_length,
+                                                     truncation=cfg.data.truncation))
+        except DataError:
+          continue
+    return self._eval_examples
 
 
 def task(cfg: RunConfig) -> SftTask:

@@ -43,12 +43,13 @@ LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, dict]]
 
 
 def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_schedule, micro_batches: int,
-              micro_sharding=None, *, dropout_seed: int | None = None):
+              micro_sharding=None, *, dropout_seed: int | None = None, combine=lora.combine):
   """(state, batch, frozen=None) -> (state, metrics); batch: a dict of columns or a pytree of them (GRPO / PPO's
   `rl.batch.RolloutBatch`, with a `replace` method), its leaves [global_batch, ...].
 
-  `frozen`: parameters that take part in the loss but do not train (a LoRA run's base weights); the loss sees
-  `lora.combine(state.params, frozen)` and only `state.params` get gradients and optimizer state.
+  `frozen`: parameters that take part in the loss but do not train (a LoRA run's base weights, a distillation
+  teacher); the loss sees `combine(state.params, frozen)` (by default `lora.combine`: the whole parameter dict) and
+  only `state.params` get gradients and optimizer state.
   `dropout_seed`: each micro-batch gets a `dropout_rng` key (from the seed, the step and the micro-batch index),
   which objectives pass to the model's forward."""
 
@@ -59,7 +60,7 @@ def make_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, lr_sched
     if dropout_seed is not None:
       keys = jax.random.split(jax.random.fold_in(jax.random.key(dropout_seed), state.step), micro_batches)
       micro = {**micro, "dropout_rng": keys} if isinstance(micro, dict) else micro.replace(dropout_rng=keys)
-    whole = functools.partial(lora.combine, frozen=frozen)
+    whole = functools.partial(combine, frozen=frozen)
 
     def accumulate(carry, mb):
       grads, loss_sum, weight, sums = carry
@@ -126,9 +127,12 @@ def trainable(module: nnx.Module, optimizer, mesh, rules) -> Trainable:
                    TrainState(rep, param_shardings, opt_shardings, rep), frozen, frozen_shardings)
 
 
-def jit_step(loss_fn, optimizer, schedule, micro_batches: int, mesh, t: Trainable, *, dropout_seed=None):
-  """The one jitted train step: (state, batch, frozen) -> (state, metrics), the state donated."""
+def jit_step(loss_fn, optimizer, schedule, micro_batches: int, mesh, t: Trainable, *, dropout_seed=None,
+             combine=lora.combine):
+  """The one jitted train step: (state, batch, frozen) -> (state, metrics), the state donated; `frozen` laid out as
+  `t.frozen_shardings`."""
   step_fn = make_step(loss_fn, optimizer, schedule, micro_batches,
-                      parallel.batch_sharding(mesh, leading_micro_axis=True), dropout_seed=dropout_seed)
+                      parallel.batch_sharding(mesh, leading_micro_axis=True), dropout_seed=dropout_seed,
+                      combine=combine)
   return jax.jit(step_fn, in_shardings=(t.state_shardings, parallel.batch_sharding(mesh), t.frozen_shardings),
                  out_shardings=(t.state_shardings, parallel.replicated(mesh)), donate_argnums=0)

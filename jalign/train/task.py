@@ -124,15 +124,28 @@ class Task:
   def train_step(self, state: TrainState, step: int) -> tuple[TrainState, StepOut]:
     """Step number `step` (from 1): the next batch through the jitted step."""
     s = self.setup
-    local = next(self.iterator)
+    local = self.next_batch(state, step)
     records = pipeline.records_of(local)
     tokens = int(np.sum(local["segment_ids"] != 0)) * jax.process_count()
     batch = self.prepare(s.full(state.params), self.global_batch(local, self.batch_sharding))
-    state, metrics = self.jitted(state, batch, s.frozen)
+    state, metrics = self.jitted(state, batch, self.step_frozen())
     self.after_step(step, s.full(state.params))
     metrics = {**metrics, "data/skipped_bad_records": self.counters.bad,
                "data/skipped_too_long": self.counters.too_long}
     return state, StepOut(metrics, tokens, records)
+
+  def next_batch(self, state: TrainState, step: int) -> dict:
+    """The process-local host batch of step `step` (e.g. with completions the policy samples first)."""
+    return next(self.iterator)
+
+  def step_frozen(self):
+    """The train step's `frozen` argument (`train.step.make_step`): LoRA's base weights, or None."""
+    return self.setup.frozen
+
+  def loss_params(self, params):
+    """What the loss function takes as its parameters, from the model's whole parameter dict (outside the train
+    step, which builds it from the trainable and the frozen parts)."""
+    return params
 
   def where(self, records: Sequence) -> list[str]:
     """File:line (or the like) of a step's records."""
@@ -299,7 +312,8 @@ def _make_eval_loss(cfg: RunConfig, s: Setup, task: Task, encode_fn, batch_shard
       rows = rows or len(local["tokens"])
       if len(local["tokens"]) != rows or rows % dp_local:
         break  # a short final batch would not split over the mesh
-      l, w, m = jax.device_get(sums_fn(params, task.prepare(params, task.global_batch(local, batch_sharding))))
+      batch = task.prepare(params, task.global_batch(local, batch_sharding))
+      l, w, m = jax.device_get(sums_fn(task.loss_params(params), batch))
       total, weight = total + float(l), weight + float(w)
       for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + float(v)
