@@ -37,11 +37,12 @@ def get_config(arg=None):
     c.sampling.update(max_new_tokens=8, num_samples=8, max_prompt_length=48)
     c.grpo.update(prompts="synthetic:arith:train", eval_prompts="synthetic:arith:test", eval_examples=500,
                   prompts_per_step=64)
-  else:  # the SFT demo's data; completions of the teacher's distribution at every token
-    c.train.update(steps=300, batch_size=64, eval_batches=4, eval_examples=500)
+  else:  # the SFT demo's data and batch (16 packed rows of 128 tokens, ~100 examples); the teacher at every token
+    c.train.update(steps=300, batch_size=16, eval_batches=4, eval_examples=500)
     c.data.update(train="synthetic:arith:train", eval="synthetic:arith:test", max_length=64)
-    if mode == "gkd":
-      c.data.packing = False
+    if mode == "gkd":  # one example a row (the student re-samples its completion): 64 rows of up to 32 tokens
+      c.train.batch_size = 64
+      c.data.update(packing=False, buckets=(32, 64))
       c.sampling.max_new_tokens = 8
   if tiny:
     c.run_dir = f"runs/distill_{mode}_tiny"

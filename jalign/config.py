@@ -195,11 +195,15 @@ def validate(values, num_devices: int) -> RunConfig:
     cfg.sampling.check()
   if cfg.task in ("rollout", "grpo", "ppo"):
     cfg.rollout.check(cfg.task, cfg.run_dir)
+    cfg.rollout.check_teacher()
     cfg.reward.check()
   if cfg.task in ("grpo", "ppo"):
     rl_config.check(cfg, dp)
   if cfg.task == "distill":
-    cfg.distill.check()
+    stored = {"on_policy": bool(cfg.grpo.buffer), "offline": True, "gkd": False}[cfg.distill.mode]
+    if not cfg.distill.teacher and not stored:  # offline: data with stored top-k is checked as the run starts
+      raise ConfigError("config.distill.teacher: empty; name the teacher's HF checkpoint directory or .gguf file (or, "
+                        "on-policy, set grpo.buffer to a replay buffer written with rollout.teacher)")
     if cfg.distill.mode == "gkd" and cfg.data.packing:
       raise ConfigError("config.data.packing=True with distill.mode='gkd': the student re-samples each row's "
                         "completion, so a row must hold one example; set data.packing=False")
@@ -254,7 +258,8 @@ def check_paths(cfg: RunConfig) -> None:
   named = {"model.path": cfg.model.path, "tokenizer": cfg.tokenizer, "reward.model": cfg.reward.model,
            "eval.reference": cfg.eval.reference if cfg.task == "eval" else "",
            "eval.reward_model": cfg.eval.reward_model if cfg.task == "eval" else "",
-           "distill.teacher": cfg.distill.teacher, "distill.teacher_tokenizer": cfg.distill.teacher_tokenizer}
+           "distill.teacher": cfg.distill.teacher, "distill.teacher_tokenizer": cfg.distill.teacher_tokenizer,
+           "rollout.teacher": cfg.rollout.teacher}
   for key, path in named.items():
     if path and "://" not in path and not os.path.exists(path):
       raise ConfigError(f"config.{key}={path!r}: not found (no such file or directory)")

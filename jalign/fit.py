@@ -54,10 +54,14 @@ def report(cfg, arch: str = "", target=None) -> dict:
   from flax import nnx
 
   from jalign import models, parallel, tasks
+  from jalign.core.errors import ConfigError
   from jalign.models import lora
   from jalign.models.config import ModelConfig, RopeConfig, load_hf_config
   from jalign.train.step import Trainable, TrainState
 
+  if cfg.task == "distill":
+    raise ConfigError("task 'distill': the fit check does not size a step with a teacher beside the student yet; "
+                      "check the student as an SFT run (--config.task=sft) and add the teacher's parameters")
   m = cfg.model
   if arch:
     model_cfg = ModelConfig(**ARCHS[arch], rope=RopeConfig(**LLAMA3_ROPE))

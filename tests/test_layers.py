@@ -19,7 +19,7 @@ LAYERS = [
     (("sampling",), "generate and the continuous-batching engine"),
     (("losses",), "advantages, policy-gradient losses and aggregation (verl), the DPO family, distillation "
                   "divergences"),
-    (("objectives",), "loss functions per objective (sft, reward, dpo, grpo, ppo's critic)"),
+    (("objectives",), "loss functions per objective (sft, reward, dpo, grpo, ppo's critic, distill)"),
     (("data",), "sources, published layouts, SFT / preference / prompt encoding, Grain pipelines, the demo task"),
     (("rewards",), "verifiable rewards, rewards from reward models, reward-model ensembles on disk"),
     (("rl",), "the learner's experience (rollout stage, log-prob plan, groups, replay buffer, monitors); agentic/: "
@@ -27,7 +27,8 @@ LAYERS = [
     (("eval",), "held-out evaluation of a checkpoint, rank correlations, report.md"),
     (("config",), "RunConfig and the checks across sections"),
     (("train",), "the engine: the Task hooks, the loop, step, optimizer, checkpoints, metrics, preemption, locks"),
-    (("tasks",), "one module per task (sft, rm, dpo/kto, grpo/ppo, rollout, eval) and the chain; one registry"),
+    (("tasks",), "one module per task (sft, rm, dpo/kto, grpo/ppo, distill, rollout, eval) and the chain; one "
+                 "registry"),
     (("run", "fit"), "the command line; the ahead-of-time fit check"),
 ]
 RANK = {name: i for i, (layer, _) in enumerate(LAYERS) for name in layer}

@@ -66,8 +66,27 @@ def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path, name):  # noqa: F811
   assert os.path.exists(run_dir / "hf" / "config.json") and os.path.exists(run_dir / "hf" / "tokenizer.json"), name
 
 
+def test_distill_recipe_on_smollm2_taught_by_the_sft_recipe(smollm2_hf, tmp_path):  # noqa: F811
+  """gsm8k_distill in each mode at smoke size: SmolLM2 distilled from SmolLM2 after the GSM8K SFT recipe (its smoke
+  size: the teacher shares the tokenizer and differs a little), on GSM8K as it comes; one test, one teacher."""
+  model_dir, _ = smollm2_hf
+  cli.run("recipes/gsm8k_sft.py:smoke", tmp_path / "sft", f"--config.model.path={model_dir}",
+          *_flags(_data("gsm8k_sft", tmp_path)), one_device=True, check=True, timeout=900)
+  teacher = tmp_path / "sft" / "hf"
+  for mode, data in (("on_policy", _data("gsm8k_grpo", tmp_path)), ("gkd", _data("gsm8k_sft", tmp_path)),
+                     ("offline", _data("gsm8k_sft", tmp_path))):
+    run_dir = tmp_path / mode
+    cli.run(f"recipes/gsm8k_distill.py:{mode},smoke", run_dir, f"--config.model.path={model_dir}",
+            f"--config.distill.teacher={teacher}", *_flags(data), one_device=True, check=True, timeout=900)
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    key = "actor/kl_loss" if mode == "on_policy" else "distill/divergence"
+    values = [r[key] for r in rows if key in r]
+    assert len(values) == 2 and all(math.isfinite(v) for v in values), (mode, values)
+    assert os.path.exists(run_dir / "hf" / "model.safetensors"), mode
+
+
 def test_recipes_reject_unknown_args():
-  for name in RECIPES:
+  for name in RECIPES + ("gsm8k_distill",):
     with pytest.raises(ValueError, match="unknown"):
       run_config(f"recipes/{name}", "huge")
   for variant in ("drgrpo", "dapo", "dapo,smoke"):

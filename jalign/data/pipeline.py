@@ -192,7 +192,7 @@ def build(source, encode: Callable[[dict], dict], spec: PipelineSpec, *, process
     index = int(index)
     try:
       example = encode(source[index])
-      if batch_fn is None:
+      if "tokens" in example:  # a sequence's provenance, per token (pairs carry none)
         example["record"] = np.full(len(example["tokens"]), index + 1, np.int32)
       return example
     except TooLong:

@@ -50,3 +50,16 @@ def on_policy_advantages(student_logp_BxT: jax.Array, teacher_logp_BxT: jax.Arra
   if outcome_BxT is not None:
     adv = adv + outcome_BxT.astype(jnp.float32)
   return adv * mask
+
+
+def topk_divergence(student_topk_logp_XxK: jax.Array, teacher_topk_logp_XxK: jax.Array, beta: float) -> jax.Array:
+  """The divergence by `beta` (as `generalized_jsd`) between two distributions known on a teacher's top-k tokens
+  only: each is taken over k + 1 outcomes, the k tokens and the rest of the vocabulary with the mass left over
+  (the teacher's log-probs precomputed, the student's at the same token ids). The teacher is frozen. Leading axes
+  kept; fp32."""
+  def with_tail(logp):
+    logp = logp.astype(jnp.float32)
+    covered = jnp.minimum(jax.nn.logsumexp(logp, axis=-1, keepdims=True), -1e-6)  # < 0: a tail is left
+    return jnp.concatenate([logp, jnp.log(-jnp.expm1(covered))], axis=-1)
+  return log_divergence(with_tail(student_topk_logp_XxK), with_tail(jax.lax.stop_gradient(teacher_topk_logp_XxK)),
+                        beta)

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jalign import kernels
-from jalign.core.errors import ConfigError
 from jalign.core.sections import bounded
 from jalign.kernels.logprobs import AUTO_XLA_VOCAB
+from jalign.losses.distill import topk_divergence
 from jalign.objectives.sft import targets_and_weights
 
 MODES = ("offline", "gkd", "on_policy")
@@ -35,7 +35,8 @@ class DistillSection:
   """The run config's `distill` section (task 'distill')."""
   mode: Literal[MODES] = "offline"        # offline KD on data.train, gkd (some batches the student's samples) or
                                           # on_policy (the student samples every step; the RL update)
-  teacher: str = ""                       # the teacher: an HF checkpoint directory or a .gguf file
+  teacher: str = ""                       # the teacher: an HF checkpoint directory or a .gguf file ("" on-policy
+                                          # from a grpo.buffer written with rollout.teacher: its stored log-probs)
   teacher_tokenizer: str = ""             # its tokenizer directory; "" = distill.teacher
   teacher_dtype: Literal["", "float32", "bfloat16"] = ""  # the teacher's parameters; "" = model.dtype
   beta: float = bounded(1.0, ge=0, le=1)  # offline / gkd: 0 forward KL(teacher || student), 1 reverse KL, between:
@@ -48,37 +49,54 @@ class DistillSection:
   reward_weight: float = bounded(0.0, ge=0)  # on_policy: + this x the group advantage (GRPO's) of the verifiable
                                           # reward (the reward section); 0 = distillation alone
 
-  def check(self) -> None:
-    if not self.teacher:
-      raise ConfigError("config.distill.teacher: empty; name the teacher's HF checkpoint directory or .gguf file")
-
 
 def make_loss_fn(student_graphdef, teacher_graphdef, d: DistillSection, *, vocab: int,
                  logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   """loss_fn((student_params, teacher_params), batch) -> (loss_sum, weight, metric_sums) on SFT batches (packed or
   bucketed rows): the divergence summed over the completion tokens, plus `sft_weight` x their NLL. Both models'
-  distributions are over the first `vocab` ids (the ids the tokenizers share; padded embedding rows left out)."""
+  distributions are over the first `vocab` ids (the ids the tokenizers share; padded embedding rows left out).
+
+  A batch with the teacher's precomputed top-k (`topk_ids`, `topk_logp` [B, T, k]: a replay buffer's, written with
+  rollout.teacher_top_k) needs no teacher: the divergence is over those k tokens and the rest of the vocabulary
+  (`losses.distill.topk_divergence`); teacher_params may then be None."""
   impl = "xla" if vocab <= AUTO_XLA_VOCAB else "auto"
 
   def loss_fn(params, batch):
     student_params, teacher_params = params
     lm = nnx.merge(student_graphdef, student_params)
-    teacher = nnx.merge(teacher_graphdef, jax.lax.stop_gradient(teacher_params))
     where = dict(segment_ids=batch["segment_ids"], positions=batch["positions"])
     hidden, _ = lm.forward(batch["tokens"], **where, dropout_rng=batch.get("dropout_rng"))
-    teacher_hidden, _ = teacher.forward(batch["tokens"], **where)
     targets, weights = targets_and_weights(batch)
-    unembed = lm.unembed()[:, :vocab]
-    div = kernels.full_divergence(hidden, unembed, teacher_hidden, teacher.unembed()[:, :vocab], beta=d.beta,
-                                  temperature=d.temperature, softcap=lm.cfg.final_softcap, mask_T=weights, impl=impl)
+    unembed, cap = lm.unembed()[:, :vocab], lm.cfg.final_softcap
+    logp = lse = None
+    if d.sft_weight or "topk_ids" in batch:
+      logp, _, lse = kernels.token_logprobs(hidden, unembed, targets, softcap=cap, mask_T=weights,
+                                           **logprobs.kwargs())
+    if "topk_ids" in batch:
+      div = _stored_topk_divergence(hidden, unembed, cap, lse, batch, d.beta)
+    else:
+      teacher = nnx.merge(teacher_graphdef, jax.lax.stop_gradient(teacher_params))
+      teacher_hidden, _ = teacher.forward(batch["tokens"], **where)
+      div = kernels.full_divergence(hidden, unembed, teacher_hidden, teacher.unembed()[:, :vocab], beta=d.beta,
+                                    temperature=d.temperature, softcap=cap, mask_T=weights, impl=impl)
     div_sum = jnp.sum(div * weights)
     sums = {"distill/divergence": div_sum}
     loss = div_sum
     if d.sft_weight:
-      logp, _, _ = kernels.token_logprobs(hidden, unembed, targets, softcap=lm.cfg.final_softcap,
-                                          mask_T=weights, **logprobs.kwargs())
       nll = -jnp.sum(logp * weights)
       sums["distill/nll"] = nll
       loss = loss + d.sft_weight * nll
     return loss, jnp.sum(weights), sums
   return loss_fn
+
+
+def _stored_topk_divergence(hidden_BxTxD, unembed_DxV, cap, lse_BxT, batch, beta: float):
+  """The divergence at every position against the teacher's stored top-k of the next token (temperature 1): the
+  student's log-probs of those k ids are its capped logits there minus its logsumexp over the vocabulary."""
+  shift = lambda x: jnp.pad(x[:, 1:], ((0, 0), (0, 1), (0, 0)))  # noqa: E731  (as targets_and_weights)
+  ids_BxTxK, teacher_BxTxK = shift(batch["topk_ids"]), shift(batch["topk_logp"])
+  columns_DxBxTxK = jnp.take(unembed_DxV, ids_BxTxK, axis=1)
+  z = jnp.einsum("btd,dbtk->btk", hidden_BxTxD, columns_DxBxTxK.astype(hidden_BxTxD.dtype),
+                 preferred_element_type=jnp.float32)
+  z = z if cap is None else jnp.tanh(z / cap) * cap
+  return topk_divergence(z - lse_BxT[..., None], teacher_BxTxK, beta)

@@ -18,7 +18,8 @@ from jalign.core.sections import bounded
 FORMATS = ("parquet", "arrayrecord")
 _PART = re.compile(r"part-(\d{6})\.(parquet|arrayrecord)$")
 FIELDS = ("prompt_index", "group_id", "sample", "prompt_ids", "response_ids", "behaviour_logprobs", "reward",
-          "ground_truth", "finish_reason", "prompt", "completion", "policy")
+          "ground_truth", "finish_reason", "prompt", "completion", "policy", "teacher_logprobs", "teacher",
+          "teacher_topk_ids", "teacher_topk_logprobs")
 
 
 class BufferWriter:
@@ -57,7 +58,12 @@ def _schema():
                     ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
                     ("behaviour_logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
                     ("ground_truth", pa.string()), ("finish_reason", pa.int32()), ("prompt", pa.string()),
-                    ("completion", pa.string()), ("policy", pa.string())])
+                    ("completion", pa.string()), ("policy", pa.string()),
+                    # with rollout.teacher: its log-probs of the response tokens, and which teacher (else null)
+                    ("teacher_logprobs", pa.list_(pa.float32())), ("teacher", pa.string()),
+                    # with rollout.teacher_top_k: per response token, its k likeliest tokens and their log-probs
+                    ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
+                    ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())))])
 
 
 def part_files(directory: str) -> list[str]:
@@ -90,6 +96,14 @@ class RolloutSection:
   prompts_per_batch: int = bounded(16, gt=0)  # prompts sampled per part (each part one file, written whole)
   limit: int = bounded(0, ge=0)    # first N prompts only; 0 = all
   min_reward: float | None = None  # drop trajectories scoring below this
+  teacher: str = ""                # a teacher (HF directory or .gguf) whose log-probs of every sampled token join the
+                                   # buffer: on-policy distillation from it needs no live teacher (docs/distill.md)
+  teacher_top_k: int = bounded(0, ge=0)  # with a teacher: also its k likeliest tokens at every response position
+                                   # and their log-probs (temperature 1): offline KD from the buffer; 0 = none
+
+  def check_teacher(self) -> None:
+    if self.teacher_top_k and not self.teacher:
+      raise ConfigError(f"config.rollout.teacher_top_k={self.teacher_top_k} needs rollout.teacher (whose top-k)")
 
   def check(self, task: str, run_dir: str) -> None:
     if task == "rollout" and not self.prompts:

@@ -23,6 +23,7 @@ class Groups:
   lengths: np.ndarray                   # [N]
   scores: np.ndarray                    # [N]
   behaviour: np.ndarray | None = None   # [N, R] stored log-probs (offline)
+  teacher_logp: np.ndarray | None = None  # [N, R] a teacher's log-probs of the response tokens (a buffer's)
   rm_scores: np.ndarray | None = None   # [N] reward-model share of the scores
   baselines: np.ndarray | None = None   # [N] reward of the prompt's greedy response (remax)
   sampler_logp: np.ndarray | None = None   # [N, R] the sampler's log-probs of the response tokens (online)
@@ -111,7 +112,13 @@ class OfflineBuffer:
   def __len__(self) -> int:
     return len(self.groups)
 
+  def has_teacher(self) -> bool:
+    """Every record carries a teacher's log-probs of its response (written with `rollout.teacher`)."""
+    return all(m.get("teacher_logprobs") is not None for members in self.groups for m in members)
+
   def batch(self, indices, pad_id: int):
+    """(prompts, response [N, R], lengths [N], scores [N], behaviour log-probs [N, R], the teacher's log-probs
+    [N, R] or None) of the groups `indices`."""
     members = [m for i in indices for m in self.groups[i]]
     prompts = [Prompt(int(self.groups[i][0]["prompt_index"]), list(self.groups[i][0]["prompt_ids"]),
                       self.groups[i][0]["prompt"], self.groups[i][0]["ground_truth"],
@@ -119,12 +126,15 @@ class OfflineBuffer:
     n = len(members)
     response = np.full((n, self.max_new), pad_id, np.int32)
     behaviour = np.zeros((n, self.max_new), np.float32)
+    teacher = np.zeros((n, self.max_new), np.float32) if self.has_teacher() else None
     lengths = np.zeros(n, np.int32)
     for row, m in enumerate(members):
       k = len(m["response_ids"])
       response[row, :k], behaviour[row, :k], lengths[row] = m["response_ids"], m["behaviour_logprobs"], k
+      if teacher is not None:
+        teacher[row, :k] = m["teacher_logprobs"]
     scores = np.asarray([m["reward"] for m in members], np.float32)
-    return prompts, response, lengths, scores, behaviour
+    return prompts, response, lengths, scores, behaviour, teacher
 
 
 def minibatches(key: jax.Array, rows: int, n: int, group_size: int = 0) -> list[np.ndarray]:

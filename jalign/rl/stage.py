@@ -68,9 +68,9 @@ class RolloutStage:
     indices = [int(i) for i in indices]
     n, pad = self.spec.num_samples, self.tok.pad_id
     if self.offline is not None:
-      prompts, response, lengths, scores, behaviour = self.offline.batch(indices, pad)
+      prompts, response, lengths, scores, behaviour, teacher = self.offline.batch(indices, pad)
       return Groups(prompts=prompts, size=n, response=response, lengths=lengths, scores=scores,
-                    behaviour=behaviour)
+                    behaviour=behaviour, teacher_logp=teacher)
     if self.make_env is not None:
       return self._episodes(lm, indices, key)
     prompts = [self.encode(self.source[i], index=i, where=self.source.where(i)) for i in indices]

@@ -28,14 +28,13 @@ from jalign.losses import policy as policy_lib
 from jalign.models.sharding import to_host
 from jalign.objectives import grpo as objective
 from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH
-from jalign.rl.agentic.agent import summary as agent_summary
 from jalign.rl.batch import RolloutBatch
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
 from jalign.rl.plan import LogprobPlan
 from jalign.rl.stage import RolloutStage, advantages, logprob_agreement
 from jalign.tasks.critic import Critic
-from jalign.tasks.grpo_sampler import Rollout, StepSampler
+from jalign.tasks.grpo_sampler import StepSampler, rollout_metrics
 from jalign.train import loop
 from jalign.train import optimizer as optim_lib
 from jalign.train.task import Setup, StepOut, Task, global_from_full
@@ -277,7 +276,8 @@ class GrpoTask(Task):
     metrics.update(agreement)
     if self.kl_ctl is not None or kl.in_reward:
       metrics["actor/kl_coef"] = kl_coef
-    metrics.update(self._rollout_metrics(rollout, trained, waited, t0, t1))
+    metrics.update(rollout_metrics(rollout, trained, waited, t0, t1, lag=self.step - 1 - rollout.version if
+                                   g.async_staleness else None))
     self._monitor(step, metrics, trained, no_signal)
     return state, StepOut(metrics, records=[p.where for p in trained.prompts])
 
@@ -301,7 +301,7 @@ class GrpoTask(Task):
     does not run anyway (`report_kl`), else None; and with `agree`, the agreement of the sampler's log-probs with the
     trainer's."""
     plan = self.plan
-    rows = RolloutBatch.of_groups(trained, self.setup.tok.pad_id)
+    rows = self.update_rows(trained)
     response_mask = rows.response_mask
     # Offline or asynchronous: the ratio is against the stored behaviour log-probs, or (a rollout correction) against
     # the policy before the update, the behaviour log-probs then weighting it.
@@ -329,21 +329,9 @@ class GrpoTask(Task):
       agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
     return batch, kl_pair, agreement
 
-  def _rollout_metrics(self, rollout: Rollout, trained: Groups, waited: float, t0: float, t1: float) -> dict:
-    sampled, out = rollout.sampled, {}
-    if sampled.rm_scores is not None:
-      out["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
-    if sampled.counts is not None:
-      out.update(agent_summary(sampled.counts, sampled.lengths))
-    out.update({"critic/score/mean": float(np.mean(sampled.scores)),
-                "response_length/mean": float(np.mean(sampled.lengths)),
-                "actor/informative_groups": float(np.mean(sampled.informative())),
-                "timing_s/gen": rollout.seconds, "timing_s/update": time.perf_counter() - t1,
-                "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": rollout.batches,
-                "actor/update_groups": len(trained.prompts)})
-    if self.cfg.grpo.async_staleness:
-      out.update({"rollout/policy_lag": float(self.step - 1 - rollout.version), "timing_s/gen_wait": waited})
-    return out
+  def update_rows(self, trained: Groups) -> RolloutBatch:
+    """The model rows of the update batch, on the host (`RolloutBatch.of_groups`)."""
+    return RolloutBatch.of_groups(trained, self.setup.tok.pad_id)
 
   def _monitor(self, step: int, metrics: dict, trained: Groups, no_signal: bool) -> None:
     """The run's monitors (their signals into `metrics`, their warnings said) and kl.max."""

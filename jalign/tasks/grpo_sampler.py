@@ -16,6 +16,7 @@ from flax import nnx
 
 from jalign.config import RunConfig
 from jalign.models.sharding import state_shardings, to_host
+from jalign.rl.agentic.agent import summary as agent_summary
 from jalign.rl.groups import Groups
 from jalign.rl.stage import RolloutStage
 
@@ -105,3 +106,23 @@ class StepSampler:
   def load_host_state(self, obj) -> None:
     self.in_flight = {int(s): Rollout(Groups.from_json(r["groups"]), r["batches"], r["version"], r["seconds"])
                       for s, r in obj.items()}
+
+
+def rollout_metrics(rollout: Rollout, trained: Groups, waited: float, t0: float, t1: float, *,
+                    lag: int | None) -> dict:
+  """A step's rollout metrics: scores, lengths, the groups updated on, timings (`t0`: the step's start, `t1`: the
+  update's) and, asynchronous (`lag`: the sampling policy's updates behind), the lag and the wait."""
+  sampled, out = rollout.sampled, {}
+  if sampled.rm_scores is not None:
+    out["critic/rm_score/mean"] = float(np.mean(sampled.rm_scores))
+  if sampled.counts is not None:
+    out.update(agent_summary(sampled.counts, sampled.lengths))
+  out.update({"critic/score/mean": float(np.mean(sampled.scores)),
+              "response_length/mean": float(np.mean(sampled.lengths)),
+              "actor/informative_groups": float(np.mean(sampled.informative())),
+              "timing_s/gen": rollout.seconds, "timing_s/update": time.perf_counter() - t1,
+              "timing_s/step": time.perf_counter() - t0, "actor/gen_batches": rollout.batches,
+              "actor/update_groups": len(trained.prompts)})
+  if lag is not None:
+    out.update({"rollout/policy_lag": float(lag), "timing_s/gen_wait": waited})
+  return out

@@ -2,7 +2,9 @@
 
 Prompts are processed in a fixed order in batches; batch b is written as buffer part b, and batch b's sampling key
 is fold_in(seed, b). A rerun skips the parts already on disk, so an interrupted rollout completes with every prompt
-exactly once and the same samples it would have drawn uninterrupted.
+exactly once and the same samples it would have drawn uninterrupted. With `rollout.teacher`, a teacher scores every
+sampled token and its log-probs join each record (`teacher_logprobs`): on-policy distillation then reads them from
+the buffer instead of running the teacher beside the trainer.
 """
 from __future__ import annotations
 
@@ -11,13 +13,17 @@ import os
 import time
 
 import jax
+import numpy as np
 
 from jalign import parallel
 from jalign.config import RunConfig
 from jalign.core.files import output_path
-from jalign.data.prompts import PromptError, check_prompts, encode_prompt
+from jalign.data.prompts import PromptError, check_prompts, encode_prompt, left_pad_ids
 from jalign.data.sources import open_source
+from jalign.kernels.logprobs import LogprobOptions
+from jalign.models.sharding import to_host
 from jalign.parallel.distributed import say
+from jalign.rl.batch import RolloutBatch
 from jalign.rl.buffer import BufferWriter
 from jalign.rl.rollout import rollout_batch
 from jalign.tokenizers import tokenizer as tokenizer_lib
@@ -42,6 +48,7 @@ def run(cfg: RunConfig) -> dict:
   encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
   tally = check_prompts(source, encode, limit=min(total, cfg.data.check_records or total))
   say(f"prompts {cfg.rollout.prompts}: {tally.summary()}")
+  score_teacher = _teacher(cfg, tok, lm, mesh) if cfg.rollout.teacher else None
   out_dir = output_path(cfg.run_dir, cfg.rollout.output or "buffer")  # validated to lie inside run_dir
   writer = BufferWriter(out_dir, cfg.rollout.format)
   per_batch = cfg.rollout.prompts_per_batch
@@ -70,6 +77,8 @@ def run(cfg: RunConfig) -> dict:
         before = len(records)
         records = [r for r in records if r["reward"] >= cfg.rollout.min_reward]
         dropped += before - len(records)
+      if score_teacher is not None and records:
+        score_teacher(records)
       kept += len(records)
       writer.write(b, records)
       bar.update(1)
@@ -83,3 +92,35 @@ def run(cfg: RunConfig) -> dict:
              "perf/new_tokens_per_s": new_tokens / elapsed if elapsed else 0.0}
   print(f"buffer: {out_dir} ({n_batches} parts)", flush=True)
   return summary
+
+
+def _teacher(cfg: RunConfig, tok, lm, mesh):
+  """records -> None: `rollout.teacher`'s log-probs of each record's response tokens added as `teacher_logprobs` (at
+  the sampling temperature, as the sampler's), with `teacher` naming it; with `rollout.teacher_top_k`, its k likeliest
+  tokens at each response position and their log-probs (temperature 1)."""
+  from jalign.tasks.distill import Teacher
+  s = cfg.sampling
+  teacher = Teacher.load(cfg.rollout.teacher, key="rollout.teacher", tokenizer="", dtype=cfg.model.dtype,
+                         student_tok=tok, student_cfg=lm.cfg, mesh=mesh, rules=cfg.mesh.rules,
+                         knobs=cfg.model.knobs())
+  logprobs = teacher.response_logprobs_fn(s.temperature or 1.0, LogprobOptions())
+  k = cfg.rollout.teacher_top_k
+  topk = teacher.response_topk_fn(k) if k else None
+  name = os.path.abspath(cfg.rollout.teacher)
+
+  def score(records: list[dict]) -> None:
+    ids, mask = left_pad_ids([r["prompt_ids"] for r in records], tok.pad_id)
+    lengths = np.asarray([len(r["response_ids"]) for r in records])
+    response = np.full((len(records), s.max_new_tokens), tok.pad_id, np.int32)
+    for row, r in enumerate(records):
+      response[row, :lengths[row]] = r["response_ids"]
+    batch = RolloutBatch.of_rows(ids, mask, response, lengths)
+    logp = to_host(logprobs(teacher.params, batch))
+    for row, r in enumerate(records):
+      r.update(teacher_logprobs=logp[row, :lengths[row]].astype(float).tolist(), teacher=name)
+    if topk is not None:
+      top_logp, top_ids = to_host(topk(teacher.params, batch))
+      for row, r in enumerate(records):
+        r.update(teacher_topk_ids=top_ids[row, :lengths[row]].tolist(),
+                 teacher_topk_logprobs=top_logp[row, :lengths[row]].astype(float).tolist())
+  return score

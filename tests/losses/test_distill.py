@@ -75,3 +75,30 @@ def test_bad_arguments_name_what_is_accepted():
     generalized_jsd(student, teacher, 0.5, temperature=0)
   with pytest.raises(ValueError, match="student vocabulary 50 != teacher vocabulary 49; slice both"):
     generalized_jsd(student, teacher[..., :49], 0.5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_divergence_is_the_divergence_over_the_topk_and_the_rest(beta):
+  """Against the teacher's stored top-k: both distributions over k + 1 outcomes (the k tokens and the rest), in
+  NumPy; with k = V - 1 the rest is one token and the divergence is the full one."""
+  from jalign.losses.distill import topk_divergence
+  student, teacher = _logits(3, (2, 5, 12))
+  log_softmax = lambda z: z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(  # noqa
+      -1, keepdims=True)
+  ls, lt = log_softmax(np.float64(student)), log_softmax(np.float64(teacher))
+  for k in (3, 11):
+    ids = np.argsort(-lt, -1)[..., :k]
+    s_k, t_k = np.take_along_axis(ls, ids, -1), np.take_along_axis(lt, ids, -1)
+    cat = lambda lk: np.concatenate([np.exp(lk), 1 - np.exp(lk).sum(-1, keepdims=True)], -1)  # noqa: E731
+    p, q = cat(s_k), cat(t_k)
+    if beta == 0:
+      want = np.sum(q * np.log(q / p), -1)
+    elif beta == 1:
+      want = np.sum(p * np.log(p / q), -1)
+    else:
+      m = (1 - beta) * p + beta * q
+      want = beta * np.sum(q * np.log(q / m), -1) + (1 - beta) * np.sum(p * np.log(p / m), -1)
+    got = topk_divergence(jnp.asarray(s_k, jnp.float32), jnp.asarray(t_k, jnp.float32), beta)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
+    if k == 11:
+      np.testing.assert_allclose(want, np_generalized_jsd(student, teacher, beta, 1.0), rtol=1e-9)

@@ -145,6 +145,105 @@ def test_on_policy_step_advantages_are_the_reverse_kl_of_transformers_logprobs(t
   np.testing.assert_allclose(np.asarray(batch.advantages), expected, atol=2e-4)
 
 
+def test_a_buffer_with_teacher_logprobs_resumes_bitwise_and_teaches_without_a_live_teacher(tmp_path, monkeypatch):
+  """The rollout task with rollout.teacher: SIGKILLed before its third part, then rerun, it writes the buffer an
+  uninterrupted run writes, bit for bit (teacher log-probs included); those equal transformers' log-probs of the
+  teacher; on-policy distillation from that buffer, with no live teacher, takes each token's advantage as the stored
+  teacher log-prob minus the stored behaviour log-prob."""
+  import signal
+
+  from jalign.rl import buffer
+  teacher = _perturbed_teacher(tmp_path / "teacher")
+  flags = (f"--config.rollout.teacher={teacher}", "--config.rollout.teacher_top_k=4")
+  cli.run("rollout.py:tiny", tmp_path / "clean", *flags, program=cli.FAULTY, check=True)
+  killed = cli.run("rollout.py:tiny", tmp_path / "r", *flags, program=cli.FAULTY, env={"KILL_AT_PART": "2"})
+  assert killed.returncode == -signal.SIGKILL
+  assert sorted(os.listdir(tmp_path / "r" / "buffer")) == ["part-000000.parquet", "part-000001.parquet"]
+  cli.run("rollout.py:tiny", tmp_path / "r", *flags, program=cli.FAULTY, check=True)
+  want, got = buffer.read_all(str(tmp_path / "clean" / "buffer")), buffer.read_all(str(tmp_path / "r" / "buffer"))
+  assert len(want) == 256 and got == want  # every field, floats bit for bit
+  assert {r["teacher"] for r in want} == {os.path.abspath(teacher)}
+
+  hf = transformers.AutoModelForCausalLM.from_pretrained(teacher)
+  for r in want[:8]:
+    ids = np.asarray(r["prompt_ids"] + r["response_ids"])[None]
+    with torch.no_grad():
+      logp = _log_softmax(hf(input_ids=torch.tensor(ids)).logits[0].double().numpy())
+    p = len(r["prompt_ids"])
+    expected = [logp[p - 1 + j, t] for j, t in enumerate(r["response_ids"])]
+    np.testing.assert_allclose(r["teacher_logprobs"], expected, atol=2e-4)
+    top = np.argsort(-logp[p - 1:-1], -1)[:, :4]
+    np.testing.assert_array_equal(r["teacher_topk_ids"], top)
+    np.testing.assert_allclose(r["teacher_topk_logprobs"], np.take_along_axis(logp[p - 1:-1], top, -1), atol=2e-4)
+
+  cfg = run_config("distill", "tiny", run_dir=str(tmp_path / "run"), model__path=POLICY, model__arch=None,
+                   tokenizer="", distill__teacher="", grpo__buffer=str(tmp_path / "clean" / "buffer"), grpo__prompts="",
+                   train__steps=1, grpo__eval_examples=0)
+  seen = []
+  original = distill_task.OnPolicyDistillTask.advantages
+
+  def capture(self, batch, trained, kl_coef):
+    out = original(self, batch, trained, kl_coef)
+    seen.append((jax.device_get(out[0]), trained))
+    return out
+
+  monkeypatch.setattr(distill_task.OnPolicyDistillTask, "advantages", capture)
+  distill_task.run(cfg)
+  ((batch, trained),) = seen
+  mask = np.asarray(batch.response_mask)
+  np.testing.assert_array_equal(np.asarray(batch.advantages), (trained.teacher_logp - trained.behaviour) * mask)
+  assert np.abs(np.asarray(batch.advantages)).max() > 1e-2
+
+
+  # Offline KD from the buffer's top-k, no teacher: one batch's loss against NumPy over transformers' student logits
+  spec = str(tmp_path / "clean" / "buffer" / "*.parquet")
+  cfg = run_config("distill", "tiny,offline", run_dir=str(tmp_path / "kd"), model__path=POLICY, model__arch=None,
+                   tokenizer="", distill__teacher="", distill__beta=0.5, data__train=spec, data__eval="",
+                   data__packing=False, data__buckets=(32, 64), train__steps=2)
+  task, setup, optimizer, schedule = _setup(cfg)
+  task.start(setup)
+  examples = [task.encode_fn()(r) for r in want[:8]]
+  examples = [{**e, "record": np.full(len(e["tokens"]), i + 1)} for i, e in enumerate(examples)]  # as the pipeline
+  batch = task.batch_fn(examples)
+  loss_fn = task.make_loss_fn(setup.graphdef)
+  loss, weight, _ = jax.jit(loss_fn)((setup.full(setup.state.params), None),
+                                     {k: jnp.asarray(v) for k, v in batch.items() if k != "record"})
+  student_hf = transformers.AutoModelForCausalLM.from_pretrained(POLICY)
+  total, count = 0.0, 0
+  for r in want[:8]:
+    with torch.no_grad():
+      ls = _log_softmax(student_hf(input_ids=torch.tensor([r["prompt_ids"] + r["response_ids"]])).logits[0].numpy())
+    p = len(r["prompt_ids"])
+    for j in range(len(r["response_ids"])):
+      s_k = ls[p - 1 + j, r["teacher_topk_ids"][j]]
+      t_k = np.asarray(r["teacher_topk_logprobs"][j], np.float64)
+      cat = lambda lk: np.concatenate([np.exp(lk), [1 - np.exp(lk).sum()]])  # noqa: E731
+      sp, tq = cat(s_k), cat(t_k)
+      m = 0.5 * sp + 0.5 * tq
+      total += 0.5 * np.sum(tq * np.log(tq / m)) + 0.5 * np.sum(sp * np.log(sp / m))
+      count += 1
+  assert float(weight) == count
+  np.testing.assert_allclose(float(loss), total, rtol=1e-3)
+  distill_task.run(cfg)  # and the run end to end
+  rows = [json.loads(line) for line in open(tmp_path / "kd" / "metrics.jsonl")]
+  assert [np.isfinite(r["distill/divergence"]) for r in rows if "distill/divergence" in r] == [True, True]
+
+
+def test_without_a_teacher_or_a_buffer_with_its_logprobs_distillation_says_which(tmp_path):
+  from jalign.rl import buffer
+  with pytest.raises(ConfigError, match="config.distill.teacher: empty"):
+    run_config("distill", "tiny", distill__teacher="")
+  cli.run("rollout.py:tiny", tmp_path / "plain", "--config.rollout.limit=4", check=True)
+  assert all(r["teacher_logprobs"] is None for r in buffer.read_all(str(tmp_path / "plain" / "buffer")))
+  cfg = run_config("distill", "tiny", run_dir=str(tmp_path / "run"), distill__teacher="", grpo__prompts="",
+                   grpo__buffer=str(tmp_path / "plain" / "buffer"))
+  with pytest.raises(ConfigError, match="grpo.buffer=.*holds no teacher log-probs"):
+    distill_task.run(cfg)
+  cfg = run_config("distill", "tiny,offline", run_dir=str(tmp_path / "kd"), distill__teacher="")
+  with pytest.raises(ConfigError, match="data.train='synthetic:arith:train' has no teacher_topk_ids"):
+    distill_task.run(cfg)
+
+
 def _setup(cfg):
   task = distill_task.task(cfg)
   optimizer, schedule = optim_lib.make(cfg.optim, cfg.train.steps)
@@ -191,7 +290,7 @@ def test_a_teacher_with_another_vocabulary_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("arg,overrides,message", [
-    ("tiny,offline", dict(distill__teacher=""), "config.distill.teacher: empty"),
+    ("tiny,gkd", dict(distill__teacher=""), "config.distill.teacher: empty"),
     ("tiny,gkd", dict(data__packing=True), "packing=True with distill.mode='gkd'"),
     ("tiny,offline", dict(grpo__prompts="synthetic:arith:train"), "does not read config.grpo"),
     ("tiny", dict(kl__coef=0.1), "in mode 'on_policy' does not read config.kl"),
