@@ -137,18 +137,18 @@ READS = {
     # distillation by mode (`distill.mode`): on_policy is the RL update with the teacher's per-token reverse KL as
     # its reward, so it sets the KL and advantage settings itself
     "distill": _TRAINING + ("logprobs", "distill"),
-    "distill/gkd": _TRAINING + ("logprobs", "distill", "sampling"),
-    "distill/on_policy": _TRAINING + ("logprobs", "distill", "sampling", "reward", "grpo", "policy_loss", "env"),
+    "distill:gkd": _TRAINING + ("logprobs", "distill", "sampling"),
+    "distill:on_policy": _TRAINING + ("logprobs", "distill", "sampling", "reward", "grpo", "policy_loss", "env"),
 }
 _RL_TRAIN = {"batch_size": "a step's batch is grpo.prompts_per_step x sampling.num_samples completions",
              "micro_batches": "a step's updates are grpo.mini_batches",
              "eval_batches": "held-out prompts are grpo.eval_prompts", "eval_examples": "see grpo.eval_examples"}
-UNREAD_KEYS = {"grpo": {"train": _RL_TRAIN}, "ppo": {"train": _RL_TRAIN}, "distill/on_policy": {"train": _RL_TRAIN}}
+UNREAD_KEYS = {"grpo": {"train": _RL_TRAIN}, "ppo": {"train": _RL_TRAIN}, "distill:on_policy": {"train": _RL_TRAIN}}
 
 
 def reads_key(cfg) -> str:
   """The `READS` / `UNREAD_KEYS` entry of a config: its task, with distillation's mode beyond offline."""
-  return cfg.task if cfg.task != "distill" or cfg.distill.mode == "offline" else f"distill/{cfg.distill.mode}"
+  return cfg.task if cfg.task != "distill" or cfg.distill.mode == "offline" else f"distill:{cfg.distill.mode}"
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -186,12 +186,12 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError(f"config.train.batch_size={t.batch_size} is not divisible by data-parallel size "
                       f"(data x fsdp = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
                       f"{dp * t.micro_batches}")
-  cfg.data.check("grpo" if key == "distill/on_policy" else cfg.task, t.seq_len)
+  cfg.data.check("grpo" if key == "distill:on_policy" else cfg.task, t.seq_len)
   if cfg.task == "rm":
     cfg.rm.check(export_hf=cfg.checkpoint.export_hf)
   if cfg.task == "dpo":
     cfg.dpo.check()
-  if key in ("rollout", "grpo", "ppo", "distill/gkd", "distill/on_policy"):
+  if key in ("rollout", "grpo", "ppo", "distill:gkd", "distill:on_policy"):
     cfg.sampling.check()
   if cfg.task in ("rollout", "grpo", "ppo"):
     cfg.rollout.check(cfg.task, cfg.run_dir)
