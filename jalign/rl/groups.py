@@ -99,6 +99,7 @@ class OfflineBuffer:
       groups.setdefault(int(r["group_id"]), []).append(r)
     self.groups = [sorted(v, key=lambda r: r["sample"]) for _, v in sorted(groups.items())]
     self.max_new, self.directory = max_new, directory
+    self._has_teacher = all(r.get("teacher_logprobs") is not None for r in records)  # read once, not per batch
     for members in self.groups:
       if len(members) != num_samples:
         raise DataError(f"{directory}: group {members[0]['group_id']} has {len(members)} completions, "
@@ -114,7 +115,7 @@ class OfflineBuffer:
 
   def has_teacher(self) -> bool:
     """Every record carries a teacher's log-probs of its response (written with `rollout.teacher`)."""
-    return all(m.get("teacher_logprobs") is not None for members in self.groups for m in members)
+    return self._has_teacher
 
   def batch(self, indices, pad_id: int):
     """(prompts, response [N, R], lengths [N], scores [N], behaviour log-probs [N, R], the teacher's log-probs
