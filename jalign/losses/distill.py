@@ -59,7 +59,8 @@ def topk_divergence(student_topk_logp_XxK: jax.Array, teacher_topk_logp_XxK: jax
   kept; fp32."""
   def with_tail(logp):
     logp = logp.astype(jnp.float32)
-    covered = jnp.minimum(jax.nn.logsumexp(logp, axis=-1, keepdims=True), -1e-6)  # < 0: a tail is left
+    # < 0 so a tail is left; the tail's mass is known to fp32's resolution below 1 (2**-24), no finer
+    covered = jnp.minimum(jax.nn.logsumexp(logp, axis=-1, keepdims=True), -2.0**-24)
     return jnp.concatenate([logp, jnp.log(-jnp.expm1(covered))], axis=-1)
   return log_divergence(with_tail(student_topk_logp_XxK), with_tail(jax.lax.stop_gradient(teacher_topk_logp_XxK)),
                         beta)

@@ -215,7 +215,7 @@ def test_list_keys_prints_every_key_with_value_type_and_bounds(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = _lines(proc.stdout)
   assert "config.train.steps = 7  (int, > 0)" in lines  # the override applied
-  assert "config.task = 'grpo'  (one of 'sft', 'rollout', 'grpo', 'ppo', 'rm', 'dpo', 'eval')" in lines
+  assert "config.task = 'grpo'  (one of 'sft', 'rollout', 'grpo', 'ppo', 'rm', 'dpo', 'distill', 'eval')" in lines
   assert "config.policy_loss.clip_c = None  (float or None, > 1)" in lines
   assert "config.sampling.temperature = 1.0  (float, >= 0)" in lines, [l for l in lines if "temperature" in l]
   from jalign.config import RunConfig, defaults
