@@ -33,7 +33,15 @@ FAMILIES = {
             "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", rope_theta=1e6, factor=8.0),
                          "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
+    # Mixture of Experts: 6 experts, top 2 (every layer sparse).
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        num_local_experts=6, num_experts_per_tok=2, intermediate_size=24, sliding_window=4)),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:

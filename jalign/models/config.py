@@ -17,7 +17,9 @@ from jalign.core.errors import CheckpointError, ConfigError
 from jalign.kernels.attn import IMPLS as ATTENTION_IMPLS
 from jalign.models.lora import LoraConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe",
+                         "qwen3_moe", "mixtral")
+MOE_IMPLS = ("auto", "xla", "megablox")  # `kernels.moe.grouped_matmul`
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "gelu": "gelu"}
@@ -71,6 +73,13 @@ class ModelConfig:
   local_rope: RopeConfig | None = None     # sliding layers when they differ (Gemma 3)
   sliding_window: int | None = None
   layer_types: tuple[str, ...] = ()        # per layer "full_attention" | "sliding_attention"; () = all full
+  # Mixture of Experts (every layer sparse): each token's MLP is the gate-weighted sum of its top-k experts.
+  num_experts: int = 0                     # routed experts per layer; 0 = a dense MLP
+  experts_per_token: int = 0               # k
+  moe_intermediate_size: int = 0           # each expert's hidden size
+  norm_topk_prob: bool = False             # renormalise the k gate values to sum to 1 (Mixtral always does)
+  shared_expert_size: int = 0              # Qwen2-MoE: a dense MLP beside the experts (its `gate/up/down`); 0 = none
+  shared_expert_gate: bool = False         # Qwen2-MoE: the shared expert's output scaled by sigmoid(h . w)
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
@@ -80,6 +89,7 @@ class ModelConfig:
   scan_layers: bool = True                 # lax.scan over layers: compile time flat in depth
   remat: str = "none"                      # none | full | dots (save matmul outputs, recompute the rest)
   attention: str = "auto"                  # `kernels.attention` impl for training and scoring forwards
+  moe_impl: str = "auto"                   # `kernels.moe.grouped_matmul` impl for the experts
 
   def __post_init__(self):
     if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -92,6 +102,12 @@ class ModelConfig:
                         f"num_key_value_heads={self.num_kv_heads}")
     if self.activation not in ("silu", "gelu_tanh", "gelu"):
       raise ConfigError(f"activation {self.activation!r}; accepted: silu, gelu_tanh, gelu")
+    if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+      raise ConfigError(f"num_experts_per_tok={self.experts_per_token}: must be in [1, num_experts={self.num_experts}]")
+    if self.num_experts and self.moe_intermediate_size <= 0:
+      raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size}: must be > 0 for an MoE model")
+    if self.moe_impl not in MOE_IMPLS:
+      raise ConfigError(f"moe_impl {self.moe_impl!r}; accepted: {', '.join(MOE_IMPLS)}")
     if self.attention not in ATTENTION_IMPLS:
       raise ConfigError(f"attention {self.attention!r}; accepted: {', '.join(ATTENTION_IMPLS)}")
     if self.remat not in ("none", "full", "dots"):
@@ -107,6 +123,11 @@ class ModelConfig:
   def decode_attention(self) -> str:
     """`kernels.decode_attention`'s impl for decoding over a per-row cache: `xla` when `attention` is, else `auto`."""
     return "xla" if self.attention == "xla" else "auto"
+
+  @property
+  def mlp_size(self) -> int:
+    """The dense MLP's hidden size: the model's MLP, or an MoE model's shared expert (0: it has none)."""
+    return self.shared_expert_size if self.num_experts else self.intermediate_size
 
   @property
   def scale(self) -> float:
@@ -126,9 +147,15 @@ class ModelConfig:
                 "sliding_attention": rope_inv_freq(local, self.head_dim)}
     return np.stack([per_type[t] for t in types])
 
-  def num_params(self) -> int:
-    d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-    per_layer = d * hd * (2 * h + 2 * k) + 3 * d * f + 2 * d
+  def num_params(self, active: bool = False) -> int:
+    """Parameters in all; `active`: those one token uses (an MoE model's k experts of E)."""
+    d, f, h, k, hd = self.hidden_size, self.mlp_size, self.num_heads, self.num_kv_heads, self.head_dim
+    experts = self.experts_per_token if active else self.num_experts
+    per_layer = (d * hd * (2 * h + 2 * k) + 3 * d * f + 2 * d + d * self.num_experts
+                 + 3 * d * self.moe_intermediate_size * experts + (d if self.shared_expert_gate else 0)
+                 + (hd * (h + 2 * k) if self.qkv_bias else 0) + (d if self.out_bias else 0)
+                 + (2 * f + d if self.mlp_bias else 0) + (2 * hd if self.qk_norm else 0)
+                 + (2 * d if self.post_norms else 0))
     return self.num_layers * per_layer + self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
 
 
@@ -201,7 +228,7 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
 
   # RoPE: newer files carry `rope_parameters` (Gemma 3: one dict per layer type); older ones `rope_theta` and
   # `rope_scaling` (Gemma 3 adds `rope_local_base_freq` for its sliding layers).
-  default_theta = 1_000_000.0 if model_type == "gemma3_text" else 10_000.0
+  default_theta = 1_000_000.0 if model_type in ("gemma3_text", "mixtral") else 10_000.0
   params = hf.get("rope_parameters")
   local_rope = None
   if params and isinstance(next(iter(params.values()), None), dict):
@@ -217,7 +244,8 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
   # Which layers slide, per family (transformers' defaults when `layer_types` is absent).
   window = hf.get("sliding_window")
   layer_types = hf.get("layer_types")
-  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+  qwen = model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+  if qwen and not hf.get("use_sliding_window", False):
     window, layer_types = None, None
   if layer_types is None:
     if model_type == "gemma2":
@@ -225,10 +253,10 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
     elif model_type == "gemma3_text":
       pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
       layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-    elif model_type in ("qwen2", "qwen3") and window is not None:
+    elif qwen and window is not None:
       first = int(hf.get("max_window_layers", n_layers))
       layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    elif model_type == "mistral" and window is not None:
+    elif model_type in ("mistral", "mixtral") and window is not None:
       layer_types = ["sliding_attention"] * n_layers
   layer_types = tuple(layer_types or ())
   if "sliding_attention" in layer_types and not window:
@@ -236,6 +264,7 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
 
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
   bias = bool(hf.get("attention_bias", False))
+  moe = _moe_from_hf(hf, model_type, n_layers, where)
   eos = hf.get("eos_token_id")
   return ModelConfig(
       vocab_size=int(_require(hf, "vocab_size", where)), hidden_size=hidden,
@@ -243,8 +272,9 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
       num_kv_heads=int(hf.get("num_key_value_heads") or n_heads), head_dim=head_dim, model_type=model_type,
       max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation=_ACTIVATIONS[act_name],
-      qkv_bias=bias or model_type == "qwen2", out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
-      qk_norm=model_type in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, post_norms=gemma,
+      qkv_bias=bias or model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
+      out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
+      qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, post_norms=gemma,
       embed_scale=gemma, tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
       query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256) if gemma else None,
       attn_softcap=hf.get("attn_logit_softcapping") if gemma else None,
@@ -253,13 +283,38 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
       layer_types=layer_types, bos_token_id=hf.get("bos_token_id"),
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"),
       param_dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
-      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
+      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32", **moe)
+
+
+def _moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[str, Any]:
+  """The MoE fields of `ModelConfig` from a Qwen2-MoE / Qwen3-MoE / Mixtral config.json ({} for dense families)."""
+  if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+    return {}
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if experts is None:
+    raise ConfigError(f"{where}: missing required key 'num_experts' (or 'num_local_experts')")
+  out = dict(num_experts=int(experts), experts_per_token=int(_require(hf, "num_experts_per_tok", where)))
+  if model_type == "mixtral":  # every expert is an MLP of intermediate_size; top-k always renormalised
+    return {**out, "moe_intermediate_size": int(_require(hf, "intermediate_size", where)), "norm_topk_prob": True}
+  step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+  if step != 1 or dense_layers:
+    sparse = [i for i in range(n_layers) if i not in dense_layers and (i + 1) % step == 0]
+    raise ConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers} make layers {sparse} "
+                      "sparse and the rest dense; only models whose every layer is sparse are supported "
+                      "(decoder_sparse_step=1, mlp_only_layers=[])")
+  out.update(moe_intermediate_size=int(_require(hf, "moe_intermediate_size", where)),
+             norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+  if model_type == "qwen2_moe":
+    out.update(shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0))
+    out.update(shared_expert_gate=out["shared_expert_size"] > 0)
+  return out
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   """The `config.json` transformers needs to rebuild this model (current `rope_parameters` layout)."""
   arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+          "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
   model_type = cfg.model_type
   if model_type not in arch:
     raise ConfigError(f"model_type {model_type!r} cannot be exported; exportable: {', '.join(arch)}")
@@ -276,8 +331,19 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   }
   act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.activation]
   hf["hidden_activation" if gemma else "hidden_act"] = act
-  if model_type in ("llama", "mistral", "qwen3"):
+  if model_type in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral"):
     hf["attention_bias"] = cfg.out_bias
+  if model_type == "qwen2_moe":
+    hf["qkv_bias"] = cfg.qkv_bias
+  if cfg.num_experts:
+    hf.update(num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob)
+    hf["num_local_experts" if model_type == "mixtral" else "num_experts"] = cfg.num_experts
+    if model_type == "mixtral":
+      hf["intermediate_size"] = cfg.moe_intermediate_size
+    else:
+      hf.update(moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
+    if model_type == "qwen2_moe":
+      hf["shared_expert_intermediate_size"] = cfg.shared_expert_size
   if model_type == "llama":
     hf["mlp_bias"] = cfg.mlp_bias
   if gemma:
@@ -290,11 +356,11 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   else:
     hf["rope_parameters"] = cfg.rope.to_hf()
   slides = "sliding_attention" in cfg.layer_types
-  if model_type in ("qwen2", "qwen3"):
+  if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
     hf["use_sliding_window"] = slides
     hf["max_window_layers"] = cfg.layer_types.index("sliding_attention") if slides else cfg.num_layers
   hf["sliding_window"] = cfg.sliding_window if slides else None
-  if cfg.layer_types and model_type != "mistral":
+  if cfg.layer_types and model_type not in ("mistral", "mixtral"):
     hf["layer_types"] = list(cfg.layer_types)
   return hf
 
@@ -323,10 +389,11 @@ class ModelSection:
   # recompute activations in the backward: none, full, or dots (keep matmul outputs)
   remat: Literal["none", "full", "dots"] = "none"
   attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
+  moe_impl: Literal["auto", "xla", "megablox"] = "auto"  # MoE models: the experts' grouped matmul (`kernels.moe`)
   lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning
   offload_reference: bool = False      # DPO / GRPO / PPO: keep the frozen reference in host memory, copied to the
                                        # device only for its forward passes
 
   def knobs(self) -> dict:
     """The runtime fields of `ModelConfig` this section sets on a loaded or created model."""
-    return dict(scan_layers=self.scan_layers, remat=self.remat, attention=self.attention)
+    return dict(scan_layers=self.scan_layers, remat=self.remat, attention=self.attention, moe_impl=self.moe_impl)

@@ -1,4 +1,5 @@
-"""One config-driven decoder (Flax NNX) for the Llama, Mistral, Qwen2/3 and Gemma 2/3 families.
+"""One config-driven decoder (Flax NNX) for the Llama, Mistral, Qwen2/3 and Gemma 2/3 families, and the
+Mixture-of-Experts Qwen2-MoE, Qwen3-MoE and Mixtral (`kernels.moe` for the experts).
 
 Per-layer weights are stacked on a leading `layers` axis, so the same parameters run under `lax.scan` (compile time
 flat in depth) or an unrolled Python loop. Sliding/global layers differ only in their window and RoPE frequencies,
@@ -16,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jalign import kernels
+from jalign.kernels import moe
 from jalign.kernels.attn import AUTO_CHUNKED_FROM, gqa_attention
 from jalign.kernels.attn import attention_mask as _attention_mask
 from jalign.models import lora as lora_lib
@@ -75,8 +77,8 @@ class Layers(nnx.Module):
   """All decoder blocks' weights, stacked [L, ...]."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    L, D, F, N, K, H = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                        cfg.num_kv_heads, cfg.head_dim)
+    L, D, F, N, K, H = (cfg.num_layers, cfg.hidden_size, cfg.mlp_size, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.head_dim)
     pd = cfg.param_dtype
     norm_init = "zeros" if cfg.norm_offset else "ones"
     p = lambda shape, axes, init="normal": _param(rngs, shape, axes, pd, init)
@@ -98,9 +100,18 @@ class Layers(nnx.Module):
       self.post_attn_norm = p((L, D), ("layers", "norm"), norm_init)
       self.post_ffw_norm = p((L, D), ("layers", "norm"), norm_init)
     self.ffw_norm = p((L, D), ("layers", "norm"), norm_init)
-    self.gate = p((L, D, F), ("layers", "embed", "mlp"))
-    self.up = p((L, D, F), ("layers", "embed", "mlp"))
-    self.down = p((L, F, D), ("layers", "mlp", "embed"))
+    if F:  # the dense MLP (an MoE model's shared expert)
+      self.gate = p((L, D, F), ("layers", "embed", "mlp"))
+      self.up = p((L, D, F), ("layers", "embed", "mlp"))
+      self.down = p((L, F, D), ("layers", "mlp", "embed"))
+    if cfg.num_experts:
+      E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+      self.router = p((L, D, E), ("layers", "embed", "router"))
+      self.expert_gate = p((L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp"))
+      self.expert_up = p((L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp"))
+      self.expert_down = p((L, E, Fe, D), ("layers", "experts", "expert_mlp", "embed"))
+    if cfg.shared_expert_gate:
+      self.shared_gate = p((L, D), ("layers", "embed"))
     if cfg.mlp_bias:
       self.gate_bias = p((L, F), ("layers", "mlp"), "zeros")
       self.up_bias = p((L, F), ("layers", "mlp"), "zeros")
@@ -202,15 +213,36 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   x = x_BxTxD + out
 
   h = rms_norm(x, lp["ffw_norm"], cfg)
-  gate, up = proj(h, "gate"), proj(h, "up")
-  if cfg.mlp_bias:
-    gate, up = gate + w("gate_bias"), up + w("up_bias")
-  out = proj(_activation(cfg.activation)(gate) * up, "down")
-  if cfg.mlp_bias:
-    out = out + w("down_bias")
+  out = None
+  if cfg.mlp_size:
+    gate, up = proj(h, "gate"), proj(h, "up")
+    if cfg.mlp_bias:
+      gate, up = gate + w("gate_bias"), up + w("up_bias")
+    out = proj(_activation(cfg.activation)(gate) * up, "down")
+    if cfg.mlp_bias:
+      out = out + w("down_bias")
+    if cfg.shared_expert_gate:  # Qwen2-MoE's shared expert, gated per token
+      out = out * jax.nn.sigmoid(_dense(h, w("shared_gate")[:, None]))
+  if cfg.num_experts:
+    routed = _experts(cfg, h, lp)
+    out = routed if out is None else out + routed
   if cfg.post_norms:
     out = rms_norm(out, lp["post_ffw_norm"], cfg)
   return x + out, new_kv
+
+
+def _experts(cfg: ModelConfig, h_BxTxD, lp: dict[str, jax.Array]) -> jax.Array:
+  """The routed experts' share of the MLP: each token's top-k experts, weighted by their gate values. The router
+  runs in fp32 whatever the compute dtype, so which experts a token picks does not hinge on bf16 rounding."""
+  B, T, D = h_BxTxD.shape
+  dt = h_BxTxD.dtype
+  h_NxD = h_BxTxD.reshape(B * T, D)
+  logits_NxE = h_NxD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
+  weights_NxK, ids_NxK = moe.route(logits_NxE, cfg.experts_per_token, normalize=cfg.norm_topk_prob)
+  out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
+                        lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), _activation(cfg.activation),
+                        impl=cfg.moe_impl)
+  return out.reshape(B, T, D)
 
 
 def _remat(fn, mode: str, static_argnums=(0,)):

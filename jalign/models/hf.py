@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import re
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from flax import nnx
 
 from jalign.core import files
 from jalign.core.errors import CheckpointError, ConfigError
-from jalign.models import lora, sharding
+from jalign.models import hf_tensors, lora, sharding
 from jalign.models import safetensors_io as st
 from jalign.models.config import (
   ModelConfig,
@@ -34,82 +33,6 @@ from jalign.models.gguf_io import GgufFile
 from jalign.models.sharding import DEFAULT_RULES, state_shardings
 
 INDEX = "model.safetensors.index.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-  """How one HF tensor per layer maps to (a layer slice of) one jalign parameter."""
-  hf: str                                     # HF name suffix, "{}" = layer index
-  hf_shape: Callable[[ModelConfig], tuple]
-  to_jalign: Callable[[np.ndarray, ModelConfig], np.ndarray]
-  to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
-
-
-def _proj(heads_attr: str, out: bool = False) -> tuple:
-  """q/k/v ([heads*hd, D] <-> [D, heads, hd]) or o ([D, heads*hd] <-> [heads, hd, D])."""
-  n = lambda c: getattr(c, heads_attr)
-  if out:
-    return (lambda c: (c.hidden_size, n(c) * c.head_dim),
-            lambda a, c: a.reshape(c.hidden_size, n(c), c.head_dim).transpose(1, 2, 0),
-            lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, n(c) * c.head_dim))
-  return (lambda c: (n(c) * c.head_dim, c.hidden_size),
-          lambda a, c: a.reshape(n(c), c.head_dim, c.hidden_size).transpose(2, 0, 1),
-          lambda a, c: a.transpose(1, 2, 0).reshape(n(c) * c.head_dim, c.hidden_size))
-
-
-def _bias(heads_attr: str) -> tuple:
-  n = lambda c: getattr(c, heads_attr)
-  return (lambda c: (n(c) * c.head_dim,), lambda a, c: a.reshape(n(c), c.head_dim), lambda a, c: a.reshape(-1))
-
-
-_same = (lambda a, c: a, lambda a, c: a)
-_transpose = (lambda a, c: a.T, lambda a, c: a.T)
-_D = lambda c: (c.hidden_size,)
-_F = lambda c: (c.intermediate_size,)
-_H = lambda c: (c.head_dim,)
-
-
-def layer_tensors(cfg: ModelConfig) -> dict[str, _Tensor]:
-  """jalign layer parameter name -> HF tensor, for the parameters this config has."""
-  gemma = cfg.post_norms
-  t = {
-      "attn_norm": _Tensor("input_layernorm.weight", _D, *_same),
-      "q": _Tensor("self_attn.q_proj.weight", *_proj("num_heads")),
-      "k": _Tensor("self_attn.k_proj.weight", *_proj("num_kv_heads")),
-      "v": _Tensor("self_attn.v_proj.weight", *_proj("num_kv_heads")),
-      "o": _Tensor("self_attn.o_proj.weight", *_proj("num_heads", out=True)),
-      # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma 2/3 name that one "pre_feedforward".
-      "ffw_norm": _Tensor("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
-                          _D, *_same),
-      "gate": _Tensor("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), *_transpose),
-      "up": _Tensor("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), *_transpose),
-      "down": _Tensor("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), *_transpose),
-  }
-  if cfg.qkv_bias:
-    t["q_bias"] = _Tensor("self_attn.q_proj.bias", *_bias("num_heads"))
-    t["k_bias"] = _Tensor("self_attn.k_proj.bias", *_bias("num_kv_heads"))
-    t["v_bias"] = _Tensor("self_attn.v_proj.bias", *_bias("num_kv_heads"))
-  if cfg.out_bias:
-    t["o_bias"] = _Tensor("self_attn.o_proj.bias", _D, *_same)
-  if cfg.qk_norm:
-    t["q_norm"] = _Tensor("self_attn.q_norm.weight", _H, *_same)
-    t["k_norm"] = _Tensor("self_attn.k_norm.weight", _H, *_same)
-  if cfg.post_norms:
-    t["post_attn_norm"] = _Tensor("post_attention_layernorm.weight", _D, *_same)
-    t["post_ffw_norm"] = _Tensor("post_feedforward_layernorm.weight", _D, *_same)
-  if cfg.mlp_bias:
-    t["gate_bias"] = _Tensor("mlp.gate_proj.bias", _F, *_same)
-    t["up_bias"] = _Tensor("mlp.up_proj.bias", _F, *_same)
-    t["down_bias"] = _Tensor("mlp.down_proj.bias", _D, *_same)
-  return t
-
-
-def _top_tensors(cfg: ModelConfig) -> dict[str, _Tensor]:
-  t = {"embed": _Tensor("embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size), *_same),
-       "final_norm": _Tensor("norm.weight", _D, *_same)}
-  if not cfg.tie_embeddings:
-    t["lm_head"] = _Tensor("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), *_transpose)
-  return t
 
 
 # Tensors some checkpoints carry that the model recomputes (old RoPE buffers) or that belong to other towers.
@@ -196,29 +119,40 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
     cfg = cfg.replace(tie_embeddings=True)  # the backbone only embeds; no LM head to read
     tensors = {n: f for n, f in tensors.items() if n != name}
 
-  def hf_name(spec: _Tensor, layer: int | None) -> str:
+  def hf_name(spec: hf_tensors.Tensor, layer: int | None) -> str:
     if spec.hf == "lm_head.weight":
       return lm_head_prefix + spec.hf
     return prefix + (f"layers.{layer}." if layer is not None else "") + spec.hf
 
   used: set[str] = set()
 
-  def views(spec: _Tensor, layers) -> list[np.ndarray]:
+  def read(name: str, want: tuple) -> np.ndarray:
+    if name not in tensors:
+      raise CheckpointError(f"{path}: missing weight {name!r}")
+    arr = tensors[name].get(name)
+    if arr.shape != want:
+      raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has shape {tuple(arr.shape)}, "
+                            f"expected {want} for this config.json")
+    if arr.dtype.name not in ("float64", "float32", "float16", "bfloat16"):  # numpy calls bfloat16 non-floating
+      raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has dtype {arr.dtype}; model weights must "
+                            "be floating point (F32, BF16, F16 or F64; quantised checkpoints are not supported)")
+    used.add(name)
+    return arr
+
+  def views(spec: hf_tensors.Tensor, layers) -> list:
     out = []
     for layer in layers:
-      name = hf_name(spec, layer)
-      if name not in tensors:
-        raise CheckpointError(f"{path}: missing weight {name!r}")
-      arr = tensors[name].get(name)
-      want = tuple(spec.hf_shape(cfg))
-      if arr.shape != want:
-        raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has shape {tuple(arr.shape)}, "
-                              f"expected {want} for this config.json")
-      if arr.dtype.name not in ("float64", "float32", "float16", "bfloat16"):  # numpy calls bfloat16 non-floating
-        raise CheckpointError(f"{tensors[name].path}: tensor {name!r} has dtype {arr.dtype}; model weights must "
-                              "be floating point (F32, BF16, F16 or F64; quantised checkpoints are not supported)")
-      used.add(name)
-      out.append(spec.to_jalign(arr, cfg))
+      if "{e}" not in spec.hf:
+        out.append(spec.to_jalign(read(hf_name(spec, layer), tuple(spec.hf_shape(cfg))), cfg))
+        continue
+      fused = spec.fused and hf_name(dataclasses.replace(spec, hf=spec.fused[0]), layer)
+      if fused in tensors:  # transformers 5's fused experts
+        e, (a, b) = cfg.num_experts, spec.hf_shape(cfg)
+        want = (e, 2 * a, b) if spec.fused[0].endswith("gate_up_proj") else (e, a, b)
+        out.append(spec.fused[1](read(fused, want), cfg))
+      else:
+        out.append(hf_tensors.ExpertStack([spec.to_jalign(read(hf_name(spec, layer).format(e=e), tuple(spec.hf_shape(cfg))),
+                                                cfg) for e in range(cfg.num_experts)]))
     return out
 
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
@@ -237,9 +171,10 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
     return jax.make_array_from_callback(shape, sharding, read)
 
   pure = nnx.to_pure_dict(abstract_state)
-  for name, spec in _top_tensors(cfg).items():
+  for name, spec in hf_tensors.top_tensors(cfg).items():
     pure[name] = place(views(spec, [None]), pure[name].shape, shardings[name], stacked=False)
-  for name, spec in layer_tensors(cfg).items():
+  moe_block = "block_sparse_moe" if any(".block_sparse_moe." in n for n in tensors) else "mlp"
+  for name, spec in hf_tensors.layer_tensors(cfg, moe_block).items():
     pure["layers"][name] = place(views(spec, range(cfg.num_layers)), pure["layers"][name].shape,
                                  shardings["layers"][name], stacked=True)
 
@@ -251,6 +186,8 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
                           f"{', '.join(unexpected[:10])}{more}")
   nnx.replace_by_pure_dict(abstract_state, pure)
   return nnx.merge(graphdef, abstract_state), (None if score_weight is None else score_weight[0])
+
+
 
 
 def architectures(path: str) -> list[str]:
@@ -317,17 +254,23 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   main = jax.process_index() == 0
   to_host = sharding.to_host
   entries = []
-  for name, spec in _top_tensors(cfg).items():
+  for name, spec in hf_tensors.top_tensors(cfg).items():
     if name == "lm_head" and score is not None:
       continue
     full = "lm_head.weight" if name == "lm_head" else "model." + spec.hf
     entries.append((full, spec.hf_shape(cfg), lambda n=name, s=spec: s.to_hf(to_host(state[n]), cfg)))
   if score is not None:
     entries.append(("score.weight", (1, cfg.hidden_size), lambda: score[None]))
+  moe_block = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"  # the hub's names
   for layer in range(cfg.num_layers):
-    for name, spec in layer_tensors(cfg).items():
-      entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),
-                      lambda n=name, s=spec, i=layer: s.to_hf(to_host(state["layers"][n][i]), cfg)))
+    for name, spec in hf_tensors.layer_tensors(cfg, moe_block).items():
+      if "{e}" in spec.hf:
+        entries.extend((f"model.layers.{layer}.{spec.hf.format(e=e)}", spec.hf_shape(cfg),
+                        lambda n=name, s=spec, i=layer, e=e: s.to_hf(to_host(state["layers"][n][i, e]), cfg))
+                       for e in range(cfg.num_experts))
+      else:
+        entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),
+                        lambda n=name, s=spec, i=layer: s.to_hf(to_host(state["layers"][n][i]), cfg)))
 
   limit = _parse_size(max_shard_size)
   shards: list[list] = [[]]

@@ -62,6 +62,16 @@ def resolve_targets(patterns: tuple[str, ...]) -> tuple[str, ...]:
   return tuple(name for name in PROJECTIONS if name in chosen)
 
 
+def model_targets(layers, cfg: LoraConfig) -> tuple[str, ...]:
+  """The targeted projections this model has: an MoE model's MLP projections are its shared expert's, absent when
+  it has none (its routed experts take no adapters yet)."""
+  names = tuple(n for n in resolve_targets(cfg.targets) if hasattr(layers, n))
+  if not names:
+    raise ConfigError(f"LoRA targets {list(cfg.targets)} match no projection this model has (an MoE model without "
+                      "a shared expert has no dense MLP projections: target q, k, v, o)")
+  return names
+
+
 def add_adapters(lm, cfg: LoraConfig, *, seed: int = 0):
   """Adds fresh adapters to `lm` (a Decoder) in place and returns it. The layers remember `cfg` (static)."""
   if cfg.rank <= 0 or cfg.alpha <= 0 or not 0 <= cfg.dropout < 1:
@@ -71,7 +81,7 @@ def add_adapters(lm, cfg: LoraConfig, *, seed: int = 0):
   if getattr(layers, "lora", None) is not None:
     raise ValueError("the model already has LoRA adapters")
   key = jax.random.key(seed)
-  for i, name in enumerate(resolve_targets(cfg.targets)):
+  for i, name in enumerate(model_targets(layers, cfg)):
     w = getattr(layers, name)
     in_dims = PROJECTIONS[name][1]
     # The base shards heads / MLP over `tensor` only (FSDP takes its `embed` dim); an adapter has no such second
@@ -142,7 +152,7 @@ def merge(lm):
     return lm
   state = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
   layers = {k: v for k, v in state["layers"].items() if not is_adapter((k,))}
-  for name in resolve_targets(cfg.targets):
+  for name in model_targets(lm.layers, cfg):
     a, b, w = state["layers"][name + SUFFIX_A], state["layers"][name + SUFFIX_B], layers[name]
     n_layers, rank = a.shape[0], a.shape[-1]
     delta = jnp.einsum("lir,lro->lio", a.reshape(n_layers, -1, rank).astype(jnp.float32),

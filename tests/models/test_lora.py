@@ -26,11 +26,13 @@ def _randomise_adapters(lm, seed=1, scale=0.2):
 def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
   """transformers logits with LoRA added by hooks from the adapter tensors (per layer, flattened to 2-D)."""
   hooks = []
-  for name in lora.resolve_targets(cfg.targets):
+  for name in lora.model_targets(lm.layers, cfg):
     a = np.asarray(getattr(lm.layers, name + lora.SUFFIX_A)[...], np.float32)
     b = np.asarray(getattr(lm.layers, name + lora.SUFFIX_B)[...], np.float32)
     for i, layer in enumerate(model.model.layers):
-      module = layer.get_submodule(HF_NAMES[name])
+      # An MoE model's dense MLP projections are its shared expert's.
+      hf = HF_NAMES[name].replace("mlp.", "mlp.shared_expert.") if lm.cfg.num_experts else HF_NAMES[name]
+      module = layer.get_submodule(hf)
       a_i = torch.tensor(a[i].reshape(-1, cfg.rank))
       b_i = torch.tensor(b[i].reshape(cfg.rank, -1))
       hooks.append(module.register_forward_hook(
@@ -42,8 +44,10 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
       h.remove()
 
 
-@pytest.mark.parametrize("family,targets", [("llama", ("all-linear",)), ("qwen2", ("q_proj", "v_proj", "down"))])
+@pytest.mark.parametrize("family,targets", [("llama", ("all-linear",)), ("qwen2", ("q_proj", "v_proj", "down")),
+                                            ("qwen2_moe", ("all-linear",)), ("qwen3_moe", ("all-linear",))])
 def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, tmp_path):
+  """MoE models: all-linear takes the attention and the shared expert (Qwen2-MoE); the routed experts take none."""
   model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / "in"))
   ids, mask = ref.batch(model.config.vocab_size)
@@ -53,6 +57,8 @@ def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, t
   fresh = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
   np.testing.assert_allclose(fresh, base, atol=1e-6)  # B starts at zero: a fresh adapter changes nothing
 
+  want = {"qwen3_moe": ("q", "k", "v", "o")}.get(family, lora.resolve_targets(targets))
+  assert lora.model_targets(lm.layers, cfg) == want
   _randomise_adapters(lm)
   ours = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
   theirs = _torch_lora_logits(model, lm, cfg, ids, mask)

@@ -1,0 +1,99 @@
+"""Mixture-of-Experts feed-forward: each token's top-k experts applied by grouped matmuls, dropless.
+
+The token copies (T tokens x k choices) are sorted by expert, so each expert's rows are contiguous; one grouped
+matmul per projection then multiplies each run of rows by its expert's weights (`grouped_matmul`), and the copies are
+unsorted and summed with their routing weights. Nothing is dropped and no expert computes a token it was not
+chosen for: the work is k / E of the dense all-experts form (`reference`, kept for tests and benchmarks).
+
+`grouped_matmul` impls:
+- `auto`: `megablox` when the target (the mesh set by `jax.set_mesh`, else the default backend) is a TPU, else `xla`.
+- `xla`: `jax.lax.ragged_dot`.
+- `megablox`: the Pallas TPU grouped-matmul kernel (`jax.experimental.pallas.ops.tpu.megablox`), rows padded to its
+  tile; `interpret=True` runs it anywhere, slowly, for correctness.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jalign.kernels.target import target_platform
+
+IMPLS = ("auto", "xla", "megablox")
+_TILE = 128  # megablox's row / contraction / output tile
+
+
+def grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, *, impl: str = "auto",
+                   interpret: bool = False) -> jax.Array:
+  """Rows [sum(sizes[:g]), sum(sizes[:g+1])) of `x` times `w[g]`, for each group g: [M, N] in x's dtype (accumulated
+  in fp32). Rows past sum(sizes) come back as zeros."""
+  if impl not in IMPLS:
+    raise ValueError(f"grouped_matmul impl {impl!r}; accepted: {', '.join(IMPLS)}")
+  if impl == "auto":
+    impl = "megablox" if target_platform() == "tpu" else "xla"
+  group_sizes_G = group_sizes_G.astype(jnp.int32)
+  if impl == "xla":
+    return jax.lax.ragged_dot(x_MxK, w_GxKxN.astype(x_MxK.dtype), group_sizes_G,
+                              preferred_element_type=jnp.float32).astype(x_MxK.dtype)
+  if target_platform() != "tpu" and not interpret:
+    raise ValueError(f"grouped_matmul impl 'megablox' needs a TPU target (this one is {target_platform()}); use "
+                     "impl='xla', or interpret=True for a slow correctness run")
+  from jax.experimental.pallas.ops.tpu.megablox import (
+    gmm,  # local: Mosaic only where it is used
+  )
+
+  M, K = x_MxK.shape
+  N = w_GxKxN.shape[-1]
+  pad = -M % _TILE
+  x = jnp.pad(x_MxK, ((0, pad), (0, 0))) if pad else x_MxK
+  tiling = (_TILE, min(_TILE, K), min(_TILE, N))
+  y = gmm(x, w_GxKxN.astype(x.dtype), group_sizes_G, jnp.float32, tiling, interpret=interpret)
+  return y[:M].astype(x_MxK.dtype)
+
+
+def route(logits_TxE: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:
+  """Softmax routing as Qwen2/3-MoE and Mixtral define it (transformers 5 `*TopKRouter`): probabilities in fp32
+  over all experts, the k largest kept, renormalised to sum to 1 when `normalize` (Mixtral always; Qwen by
+  `norm_topk_prob`). Returns (weights [T, k] fp32, expert ids [T, k] int32), largest first."""
+  probs = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
+  weights, ids = jax.lax.top_k(probs, k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, ids.astype(jnp.int32)
+
+
+def replayed_weights(logits_TxE: jax.Array, ids_TxK: jax.Array, *, normalize: bool) -> jax.Array:
+  """The gate values `route` would give experts `ids` (chosen elsewhere, e.g. by the sampler): the same softmax,
+  read at those ids, so the router still gets gradients through them."""
+  probs = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
+  weights = jnp.take_along_axis(probs, ids_TxK, axis=-1)
+  return weights / jnp.sum(weights, axis=-1, keepdims=True) if normalize else weights
+
+
+def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, gate_ExDxF: jax.Array,
+                up_ExDxF: jax.Array, down_ExFxD: jax.Array, activation: Callable, *, impl: str = "auto"
+                ) -> jax.Array:
+  """sum_j weights[t, j] * down_e(act(x_t gate_e) * (x_t up_e)), e = ids[t, j]: [T, D] in x's dtype. Dropless: the
+  T*k token copies sorted by expert, three grouped matmuls over them, then unsorted."""
+  T, K = ids_TxK.shape
+  E = gate_ExDxF.shape[0]
+  flat_ids = ids_TxK.reshape(-1)
+  order = jnp.argsort(flat_ids, stable=True)              # copy positions, grouped by expert
+  sizes_E = jnp.bincount(flat_ids, length=E)
+  xs = jnp.take(x_TxD, order // K, axis=0)                # [T*k, D] sorted copies
+  h = activation(grouped_matmul(xs, gate_ExDxF, sizes_E, impl=impl)) * grouped_matmul(xs, up_ExDxF, sizes_E, impl=impl)
+  ys = grouped_matmul(h, down_ExFxD, sizes_E, impl=impl)  # [T*k, D], sorted
+  y_TxKxD = jnp.take(ys, jnp.argsort(order), axis=0).reshape(T, K, -1)
+  return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
+
+
+def reference(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, gate_ExDxF: jax.Array,
+              up_ExDxF: jax.Array, down_ExFxD: jax.Array, activation: Callable) -> jax.Array:
+  """`experts_mlp` in the dense all-experts form: every expert on every token, combined by a [T, E] weight matrix
+  that is zero off each token's top-k. E / k times the work; the reference for tests and benchmarks."""
+  E = gate_ExDxF.shape[0]
+  combine_TxE = jnp.sum(jax.nn.one_hot(ids_TxK, E, dtype=jnp.float32) * weights_TxK[..., None], axis=1)
+  h = activation(jnp.einsum("td,edf->etf", x_TxD, gate_ExDxF)) * jnp.einsum("td,edf->etf", x_TxD, up_ExDxF)
+  y_ExTxD = jnp.einsum("etf,efd->etd", h, down_ExFxD)
+  return jnp.einsum("etd,te->td", y_ExTxD, combine_TxE.astype(y_ExTxD.dtype))

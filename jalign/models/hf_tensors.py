@@ -1,0 +1,130 @@
+"""How each jalign parameter maps to Hugging Face tensors: names, shapes and the reshapes between HF's per-layer
+`[out, in]` Linear weights and jalign's stacked `[layers, in, heads, head_dim]`-style parameters; MoE experts in the
+hub's per-expert layout or transformers 5's fused one."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jalign.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """How one HF tensor per layer maps to (a layer slice of) one jalign parameter."""
+  hf: str                                     # HF name suffix, "{}" = layer index
+  hf_shape: Callable[[ModelConfig], tuple]
+  to_jalign: Callable[[np.ndarray, ModelConfig], np.ndarray]
+  to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+  # "{e}" in `hf`: one tensor per expert, stacked on the parameter's experts axis. `fused`: the transformers 5 form
+  # that holds every expert in one tensor, and how to slice this parameter out of it ([E, ...] -> jalign's form).
+  fused: tuple[str, Callable[[np.ndarray, ModelConfig], np.ndarray]] | None = None
+
+
+def _proj(heads_attr: str, out: bool = False) -> tuple:
+  """q/k/v ([heads*hd, D] <-> [D, heads, hd]) or o ([D, heads*hd] <-> [heads, hd, D])."""
+  n = lambda c: getattr(c, heads_attr)
+  if out:
+    return (lambda c: (c.hidden_size, n(c) * c.head_dim),
+            lambda a, c: a.reshape(c.hidden_size, n(c), c.head_dim).transpose(1, 2, 0),
+            lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, n(c) * c.head_dim))
+  return (lambda c: (n(c) * c.head_dim, c.hidden_size),
+          lambda a, c: a.reshape(n(c), c.head_dim, c.hidden_size).transpose(2, 0, 1),
+          lambda a, c: a.transpose(1, 2, 0).reshape(n(c) * c.head_dim, c.hidden_size))
+
+
+def _bias(heads_attr: str) -> tuple:
+  n = lambda c: getattr(c, heads_attr)
+  return (lambda c: (n(c) * c.head_dim,), lambda a, c: a.reshape(n(c), c.head_dim), lambda a, c: a.reshape(-1))
+
+
+_same = (lambda a, c: a, lambda a, c: a)
+_transpose = (lambda a, c: a.T, lambda a, c: a.T)
+_D = lambda c: (c.hidden_size,)
+_F = lambda c: (c.mlp_size,)
+_H = lambda c: (c.head_dim,)
+
+
+def _moe_tensors(cfg: ModelConfig, block: str) -> dict[str, Tensor]:
+  """The router, the experts (hub layout: one tensor per expert; or transformers 5's fused `gate_up_proj` [E, 2F,
+  D] and `down_proj` [E, D, F]) and Qwen2-MoE's shared-expert gate, under `block` ("mlp", Mixtral's hub files
+  "block_sparse_moe")."""
+  fe = lambda c: c.moe_intermediate_size  # noqa: E731
+  names = (("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj"))
+  fused_gate_up = f"{block}.experts.gate_up_proj"
+  t = {
+      "router": Tensor(f"{block}.gate.weight", lambda c: (c.num_experts, c.hidden_size), *_transpose),
+      "expert_gate": Tensor(f"{block}.experts.{{e}}.{names[0]}.weight", lambda c: (fe(c), c.hidden_size),
+                             *_transpose, fused=(fused_gate_up, lambda a, c: a[:, :fe(c)].transpose(0, 2, 1))),
+      "expert_up": Tensor(f"{block}.experts.{{e}}.{names[1]}.weight", lambda c: (fe(c), c.hidden_size),
+                           *_transpose, fused=(fused_gate_up, lambda a, c: a[:, fe(c):].transpose(0, 2, 1))),
+      "expert_down": Tensor(f"{block}.experts.{{e}}.{names[2]}.weight", lambda c: (c.hidden_size, fe(c)),
+                             *_transpose, fused=(f"{block}.experts.down_proj", lambda a, c: a.transpose(0, 2, 1))),
+  }
+  if cfg.shared_expert_gate:
+    t["shared_gate"] = Tensor("mlp.shared_expert_gate.weight", lambda c: (1, c.hidden_size),
+                               lambda a, c: a.reshape(-1), lambda a, c: a.reshape(1, -1))
+  return t
+
+
+def layer_tensors(cfg: ModelConfig, moe_block: str = "mlp") -> dict[str, Tensor]:
+  """jalign layer parameter name -> HF tensor, for the parameters this config has (`moe_block`: the experts' module
+  name, see `_moe_tensors`)."""
+  gemma = cfg.post_norms
+  mlp = "mlp.shared_expert" if cfg.num_experts else "mlp"
+  shape_f = lambda c: (c.mlp_size, c.hidden_size)  # noqa: E731
+  t = {
+      "attn_norm": Tensor("input_layernorm.weight", _D, *_same),
+      "q": Tensor("self_attn.q_proj.weight", *_proj("num_heads")),
+      "k": Tensor("self_attn.k_proj.weight", *_proj("num_kv_heads")),
+      "v": Tensor("self_attn.v_proj.weight", *_proj("num_kv_heads")),
+      "o": Tensor("self_attn.o_proj.weight", *_proj("num_heads", out=True)),
+      # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma 2/3 name that one "pre_feedforward".
+      "ffw_norm": Tensor("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
+                          _D, *_same),
+  }
+  if cfg.mlp_size:
+    t["gate"] = Tensor(f"{mlp}.gate_proj.weight", shape_f, *_transpose)
+    t["up"] = Tensor(f"{mlp}.up_proj.weight", shape_f, *_transpose)
+    t["down"] = Tensor(f"{mlp}.down_proj.weight", lambda c: (c.hidden_size, c.mlp_size), *_transpose)
+  if cfg.num_experts:
+    t.update(_moe_tensors(cfg, moe_block))
+  if cfg.qkv_bias:
+    t["q_bias"] = Tensor("self_attn.q_proj.bias", *_bias("num_heads"))
+    t["k_bias"] = Tensor("self_attn.k_proj.bias", *_bias("num_kv_heads"))
+    t["v_bias"] = Tensor("self_attn.v_proj.bias", *_bias("num_kv_heads"))
+  if cfg.out_bias:
+    t["o_bias"] = Tensor("self_attn.o_proj.bias", _D, *_same)
+  if cfg.qk_norm:
+    t["q_norm"] = Tensor("self_attn.q_norm.weight", _H, *_same)
+    t["k_norm"] = Tensor("self_attn.k_norm.weight", _H, *_same)
+  if cfg.post_norms:
+    t["post_attn_norm"] = Tensor("post_attention_layernorm.weight", _D, *_same)
+    t["post_ffw_norm"] = Tensor("post_feedforward_layernorm.weight", _D, *_same)
+  if cfg.mlp_bias:
+    t["gate_bias"] = Tensor("mlp.gate_proj.bias", _F, *_same)
+    t["up_bias"] = Tensor("mlp.up_proj.bias", _F, *_same)
+    t["down_bias"] = Tensor("mlp.down_proj.bias", _D, *_same)
+  return t
+
+
+def top_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
+  t = {"embed": Tensor("embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size), *_same),
+       "final_norm": Tensor("norm.weight", _D, *_same)}
+  if not cfg.tie_embeddings:
+    t["lm_head"] = Tensor("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), *_transpose)
+  return t
+
+
+class ExpertStack:
+  """Per-expert tensors seen as one [E, ...] array: indexing reads only the experts (and slices) a shard asks for."""
+
+  def __init__(self, experts: list):
+    self.experts = experts
+    self.shape = (len(experts), *experts[0].shape)
+
+  def __getitem__(self, index):
+    index = index if isinstance(index, tuple) else (index,)
+    return np.stack([np.asarray(a[index[1:]]) for a in self.experts[index[0]]])
