@@ -19,7 +19,7 @@ def test_config_reference_is_current():
 
 
 METRIC = re.compile(r"\"((?:actor|critic|eval|train|rollout|perf|timing_s|data|mismatch|monitor|agent|response_length|"
-                    r"rewards|logps|rm|distill)/[A-Za-z0-9_/@]+)\"")
+                    r"rewards|logps|rm|distill|moe)/[A-Za-z0-9_/@]+)\"")
 
 
 def test_every_logged_metric_is_in_the_glossary():

@@ -80,6 +80,8 @@ class ModelConfig:
   norm_topk_prob: bool = False             # renormalise the k gate values to sum to 1 (Mixtral always does)
   shared_expert_size: int = 0              # Qwen2-MoE: a dense MLP beside the experts (its `gate/up/down`); 0 = none
   shared_expert_gate: bool = False         # Qwen2-MoE: the shared expert's output scaled by sigmoid(h . w)
+  router_aux_loss_coef: float = 0.0        # the checkpoint's load-balancing coefficient (HF config), and whether
+  output_router_logits: bool = False       # transformers would train with it (`objectives.router.coefficients`)
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
@@ -294,14 +296,16 @@ def _moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[s
   if experts is None:
     raise ConfigError(f"{where}: missing required key 'num_experts' (or 'num_local_experts')")
   out = dict(num_experts=int(experts), experts_per_token=int(_require(hf, "num_experts_per_tok", where)))
-  if model_type == "mixtral":  # every expert is an MLP of intermediate_size; top-k always renormalised
-    return {**out, "moe_intermediate_size": int(_require(hf, "intermediate_size", where)), "norm_topk_prob": True}
   step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
   if step != 1 or dense_layers:
     sparse = [i for i in range(n_layers) if i not in dense_layers and (i + 1) % step == 0]
     raise ConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers} make layers {sparse} "
                       "sparse and the rest dense; only models whose every layer is sparse are supported "
                       "(decoder_sparse_step=1, mlp_only_layers=[])")
+  out.update(router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+             output_router_logits=bool(hf.get("output_router_logits", False)))
+  if model_type == "mixtral":  # every expert is an MLP of intermediate_size; top-k always renormalised
+    return {**out, "moe_intermediate_size": int(_require(hf, "intermediate_size", where)), "norm_topk_prob": True}
   out.update(moe_intermediate_size=int(_require(hf, "moe_intermediate_size", where)),
              norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
   if model_type == "qwen2_moe":
@@ -336,7 +340,8 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   if model_type == "qwen2_moe":
     hf["qkv_bias"] = cfg.qkv_bias
   if cfg.num_experts:
-    hf.update(num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob)
+    hf.update(num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
+              router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.output_router_logits)
     hf["num_local_experts" if model_type == "mixtral" else "num_experts"] = cfg.num_experts
     if model_type == "mixtral":
       hf["intermediate_size"] = cfg.moe_intermediate_size
@@ -390,6 +395,10 @@ class ModelSection:
   remat: Literal["none", "full", "dots"] = "none"
   attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
   moe_impl: Literal["auto", "xla", "megablox"] = "auto"  # MoE models: the experts' grouped matmul (`kernels.moe`)
+  # MoE models: the load-balancing loss coefficient; None = the checkpoint's (router_aux_loss_coef when its
+  # output_router_logits is true, as transformers trains), and 0 for RL objectives
+  router_aux_loss: float | None = None
+  router_z_loss: float = 0.0           # MoE models: the router z-loss coefficient (ST-MoE)
   lora: LoraConfig = LoraConfig()      # low-rank adapters; rank 0 = full fine-tuning
   offload_reference: bool = False      # DPO / GRPO / PPO: keep the frozen reference in host memory, copied to the
                                        # device only for its forward passes

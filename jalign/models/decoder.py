@@ -153,7 +153,7 @@ def _write(buffer, update, index, axis: int):
 
 
 def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
-                  q_segment_BxT, q_index, kv: tuple | None, cache_index, dropout_key=None, *,
+                  q_segment_BxT, q_index, kv: tuple | None, cache_index, dropout_key=None, route_ids_BxTxK=None, *,
                   lora: lora_lib.LoraConfig | None = None):
   """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None: without one
   the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots (`chunked` for
@@ -161,7 +161,8 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   per-row cache: `kernels.decode_attention`, by length, the Pallas kernel on TPU / GPU). Masks use
   slot indices (`q_index`: [T], or [B, T] with a per-row cache index) for causality and windows, as transformers
   does. `lora`: the adapters' settings when `lp` holds adapters; `dropout_key` turns on their dropout (training
-  only)."""
+  only). MoE: `route_ids_BxTxK` replays those experts instead of the router's own choice. Returns the new x, the
+  layer's updated (keys, values) or None, and its `Routing` (None for a dense model)."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
 
@@ -223,26 +224,61 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
       out = out + w("down_bias")
     if cfg.shared_expert_gate:  # Qwen2-MoE's shared expert, gated per token
       out = out * jax.nn.sigmoid(_dense(h, w("shared_gate")[:, None]))
+  routing = None
   if cfg.num_experts:
-    routed = _experts(cfg, h, lp)
+    routed, routing = _experts(cfg, h, lp, q_segment_BxT != 0, route_ids_BxTxK)
     out = routed if out is None else out + routed
   if cfg.post_norms:
     out = rms_norm(out, lp["post_ffw_norm"], cfg)
-  return x + out, new_kv
+  return x + out, new_kv, routing
 
 
-def _experts(cfg: ModelConfig, h_BxTxD, lp: dict[str, jax.Array]) -> jax.Array:
-  """The routed experts' share of the MLP: each token's top-k experts, weighted by their gate values. The router
-  runs in fp32 whatever the compute dtype, so which experts a token picks does not hinge on bf16 rounding."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Routing:
+  """What an MoE layer's router did over a batch (stacked [L, ...] over layers by `Decoder.forward_routed`). Sums
+  are over real tokens (segment id != 0), so padding never counts."""
+  ids_BxTxK: jax.Array      # the experts each token used (the replayed ones when replaying)
+  counts_E: jax.Array       # token choices per expert
+  probs_E: jax.Array        # router probabilities summed over tokens, per expert
+  z_sum: jax.Array          # sum of logsumexp(router logits)^2 (ST-MoE's z-loss, times the tokens)
+  entropy_sum: jax.Array    # sum of the router distribution's entropy
+  mismatch_sum: jax.Array   # replayed choices the router would not have made itself (0 without replay)
+  tokens: jax.Array         # real tokens
+
+
+def _experts(cfg: ModelConfig, h_BxTxD, lp: dict[str, jax.Array], real_BxT, replay_BxTxK=None):
+  """The routed experts' share of the MLP, each token's top-k experts weighted by their gate values, and the layer's
+  `Routing`. The router runs in fp32 whatever the compute dtype, so which experts a token picks does not hinge on
+  bf16 rounding. `replay_BxTxK`: use those experts (their gate values still the router's own probabilities, so the
+  router trains through them)."""
   B, T, D = h_BxTxD.shape
   dt = h_BxTxD.dtype
+  k = cfg.experts_per_token
   h_NxD = h_BxTxD.reshape(B * T, D)
   logits_NxE = h_NxD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
-  weights_NxK, ids_NxK = moe.route(logits_NxE, cfg.experts_per_token, normalize=cfg.norm_topk_prob)
+  weights_NxK, ids_NxK = moe.route(logits_NxE, k, normalize=cfg.norm_topk_prob)
+  own_NxK = ids_NxK
+  if replay_BxTxK is not None:
+    ids_NxK = replay_BxTxK.reshape(B * T, k).astype(jnp.int32)
+    weights_NxK = moe.replayed_weights(logits_NxE, ids_NxK, normalize=cfg.norm_topk_prob)
   out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
                         lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), _activation(cfg.activation),
                         impl=cfg.moe_impl)
-  return out.reshape(B, T, D)
+  real_N = real_BxT.reshape(-1).astype(jnp.float32)
+  probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
+  lse_N = jax.nn.logsumexp(logits_NxE, axis=-1)
+  entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)
+  chosen_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, cfg.num_experts, dtype=jnp.float32), axis=1)
+  missed_N = k - jnp.sum(jnp.any(own_NxK[:, :, None] == ids_NxK[:, None, :], axis=1), axis=-1)
+  routing = Routing(ids_NxK.reshape(B, T, k), real_N @ chosen_NxE, real_N @ probs_NxE, real_N @ lse_N ** 2,
+                    real_N @ entropy_N, real_N @ missed_N.astype(jnp.float32), jnp.sum(real_N))
+  return out.reshape(B, T, D), routing
+
+
+def _stack(routings: list):
+  """Per-layer `Routing`s as one, stacked [L, ...] (None for a dense model)."""
+  return None if routings[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *routings)
 
 
 def _remat(fn, mode: str, static_argnums=(0,)):
@@ -276,10 +312,17 @@ class Decoder(nnx.Module):
     stacked = self.layers.arrays()
     return [jax.tree.map(lambda a: a[i], stacked) for i in range(self.cfg.num_layers)]
 
-  def forward(self, input_ids_BxT, attention_mask=None, *, positions=None, segment_ids=None,
-              cache: KVCache | None = None, layers: list[dict] | None = None,
-              dropout_rng: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-    """Hidden states after the final norm, [B, T, D], and the updated cache.
+  def forward(self, input_ids_BxT, attention_mask=None, **kw) -> tuple[jax.Array, KVCache | None]:
+    """Hidden states after the final norm, [B, T, D], and the updated cache (`forward_routed` without the routing)."""
+    hidden, cache, _ = self.forward_routed(input_ids_BxT, attention_mask, **kw)
+    return hidden, cache
+
+  def forward_routed(self, input_ids_BxT, attention_mask=None, *, positions=None, segment_ids=None,
+                     cache: KVCache | None = None, layers: list[dict] | None = None,
+                     dropout_rng: jax.Array | None = None, route_ids: jax.Array | None = None
+                     ) -> tuple[jax.Array, KVCache | None, Routing | None]:
+    """Hidden states after the final norm, [B, T, D], the updated cache, and an MoE model's `Routing` stacked over
+    layers (None for a dense model).
 
     Padding: `attention_mask` [B, T] (1 = token; left padding fine) gives positions like transformers' `generate`.
     Packing: `segment_ids` [B, T] (1, 2, ... per packed sequence, 0 = padding) with `positions` [B, T] restarting
@@ -288,6 +331,7 @@ class Decoder(nnx.Module):
     unrolled, each on its own cache buffer; `layers` (from `layer_list()`) saves re-slicing the stacked weights per
     call.
     Training: `dropout_rng` turns on LoRA dropout (when the model has adapters with dropout > 0).
+    Routing replay (MoE): `route_ids` [L, B, T, k] makes layer l send token (b, t) to experts route_ids[l, b, t].
     """
     cfg = self.cfg
     lora = getattr(self.layers, "lora", None)
@@ -313,17 +357,19 @@ class Decoder(nnx.Module):
       k_segment = None
       if cache is not None:
         k_segment = _write(cache.segment_BxS, segment_ids_BxT.astype(jnp.int32), cache_index, axis=1)
-      new_k, new_v = [], []
+      new_k, new_v, routings = [], [], []
       for i in range(cfg.num_layers):
         kv = None if cache is None else (cache.k[i], cache.v[i], k_segment)
-        x, kv = decoder_layer(cfg, x, per_layer[i], int(windows_L[i]), jnp.asarray(inv_freq_LxH2[i]),
-                              positions_BxT, segment_ids_BxT, q_index, kv, cache_index, lora=lora)
+        x, kv, routing = decoder_layer(cfg, x, per_layer[i], int(windows_L[i]), jnp.asarray(inv_freq_LxH2[i]),
+                                       positions_BxT, segment_ids_BxT, q_index, kv, cache_index,
+                                       route_ids_BxTxK=None if route_ids is None else route_ids[i], lora=lora)
+        routings.append(routing)
         if kv is not None:
           new_k.append(kv[0])
           new_v.append(kv[1])
       if cache is not None:
         cache = KVCache(tuple(new_k), tuple(new_v), k_segment, cache_index + T)
-      return rms_norm(x, self.final_norm[...], cfg), cache
+      return rms_norm(x, self.final_norm[...], cfg), cache, _stack(routings)
 
     keys_L = None
     if dropout_rng is not None and lora is not None and lora.dropout > 0:
@@ -334,18 +380,22 @@ class Decoder(nnx.Module):
                    (0,) if static_window is None else (0, 3))
 
     def body(x, xs):
-      lp, window, inv_freq, key = xs
+      lp, window, inv_freq, key, replay = xs
       window = window if static_window is None else static_window
-      return layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index, None, cache_index,
-                   key)[0], None
+      x, _, routing = layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index, None,
+                            cache_index, key, replay)
+      return x, routing
 
-    xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2), keys_L)
+    xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2), keys_L, route_ids)
     if cfg.scan_layers:
-      x, _ = jax.lax.scan(body, x, xs)
+      x, routing = jax.lax.scan(body, x, xs)
     else:
+      routings = []
       for i in range(cfg.num_layers):
-        x, _ = body(x, jax.tree.map(lambda a: a[i], xs))
-    return rms_norm(x, self.final_norm[...], cfg), None
+        x, r = body(x, jax.tree.map(lambda a: a[i], xs))
+        routings.append(r)
+      routing = _stack(routings)
+    return rms_norm(x, self.final_norm[...], cfg), None, routing
 
   def response_hidden(self, tokens_NxT, *, segment_ids, positions, response_len: int, group_size: int = 0,
                       dropout_rng: jax.Array | None = None) -> jax.Array:

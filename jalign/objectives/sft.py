@@ -8,6 +8,7 @@ from flax import nnx
 
 from jalign import kernels
 from jalign.models.sharding import to_host
+from jalign.objectives import router
 
 
 def targets_and_weights(batch: dict):
@@ -20,16 +21,21 @@ def targets_and_weights(batch: dict):
   return shift(tokens), weights.astype(jnp.float32)
 
 
-def make_loss_fn(graphdef, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
+def make_loss_fn(graphdef, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions(),
+                 router_loss: router.RouterLoss = router.RouterLoss()):
+  """MoE models add `router_loss`'s penalty (per token, like the NLL) and report the routing metrics."""
   def loss_fn(params, batch):
     lm = nnx.merge(graphdef, params)
-    hidden, _ = lm.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                           dropout_rng=batch.get("dropout_rng"))
+    hidden, _, routing = lm.forward_routed(batch["tokens"], segment_ids=batch["segment_ids"],
+                                           positions=batch["positions"], dropout_rng=batch.get("dropout_rng"))
     targets, weights = targets_and_weights(batch)
     logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap,
                                         **logprobs.kwargs())
-    nll_sum = -jnp.sum(logp * weights)
-    return nll_sum, jnp.sum(weights), {}
+    loss_sum, weight = -jnp.sum(logp * weights), jnp.sum(weights)
+    if routing is None:
+      return loss_sum, weight, {}
+    penalty, metrics = router.terms(routing, lm.cfg, router_loss)
+    return loss_sum + penalty * weight, weight, {k: v * weight for k, v in metrics.items()}
   return loss_fn
 
 

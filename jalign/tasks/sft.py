@@ -11,7 +11,7 @@ from jalign.train.task import Task
 
 class SftTask(Task):
   def make_loss_fn(self, graphdef):
-    return sft.make_loss_fn(graphdef, logprobs=self.cfg.logprobs)
+    return sft.make_loss_fn(graphdef, logprobs=self.cfg.logprobs, router_loss=self.router_loss())
 
   def encode(self, record, *, tok, max_length, truncation):
     return sft_data.encode(record, tok, max_length=max_length, truncation=truncation)

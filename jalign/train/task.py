@@ -18,6 +18,7 @@ from jalign.data import pipeline
 from jalign.data.scan import scan
 from jalign.data.sources import open_source
 from jalign.models import lora
+from jalign.objectives import router
 from jalign.parallel.distributed import say
 from jalign.tokenizers import tokenizer as tokenizer_lib
 from jalign.train import optimizer as optim_lib
@@ -133,6 +134,11 @@ class Task:
     metrics = {**metrics, "data/skipped_bad_records": self.counters.bad,
                "data/skipped_too_long": self.counters.too_long}
     return state, StepOut(metrics, tokens, records)
+
+  def router_loss(self) -> router.RouterLoss:
+    """An MoE model's router-loss coefficients for this task (`model.router_aux_loss`, `model.router_z_loss`)."""
+    m = self.cfg.model
+    return router.coefficients(self.setup.model_cfg, m.router_aux_loss, m.router_z_loss)
 
   def next_batch(self, state: TrainState, step: int) -> dict:
     """The process-local host batch of step `step` (e.g. with completions the policy samples first)."""

@@ -79,3 +79,80 @@ def test_unsupported_moe_layouts_are_refused_by_name():
     from_hf_config({**hf, "num_experts_per_tok": 7})
   with pytest.raises(ConfigError, match="missing required key 'num_experts'"):
     from_hf_config({k: v for k, v in hf.items() if k != "num_experts"})
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_terms_equal_transformers_load_balancing_loss_with_padding(family, tmp_path):
+  """`moe/aux_loss` is transformers 5's `load_balancing_loss_func` over every layer's router logits (padding masked),
+  the z-loss ST-MoE's mean logsumexp^2, from the same forward."""
+  import torch
+
+  from jalign.objectives import router
+  model = ref.build(family)
+  lm = models.from_pretrained(ref.save(model, tmp_path / "m"), dtype="float32")
+  ids, mask = ref.batch(model.config.vocab_size)
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+  with torch.no_grad():
+    out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                position_ids=torch.tensor(positions), output_router_logits=True)
+  _, _, routing = lm.forward_routed(jnp.asarray(ids), jnp.asarray(mask))
+  penalty, metrics = router.terms(routing, lm.cfg, router.RouterLoss(aux=0.5, z=0.25))
+  np.testing.assert_allclose(metrics["moe/aux_loss"], out.aux_loss.item(), rtol=1e-5)
+  logits = np.stack([r.numpy() for r in out.router_logits]).astype(np.float64)  # [L, B*T, E]
+  m = max_ = logits.max(-1, keepdims=True)
+  lse = (np.log(np.exp(logits - m).sum(-1)) + max_[..., 0]).reshape(len(logits), *ids.shape)
+  z = (lse ** 2 * mask).sum() / (mask.sum() * len(logits))
+  np.testing.assert_allclose(metrics["moe/z_loss"], z, rtol=1e-5)
+  np.testing.assert_allclose(penalty, 0.5 * out.aux_loss.item() + 0.25 * z, rtol=1e-5)
+  assert float(metrics["moe/routing_mismatch"]) == 0.0
+  assert 1.0 <= float(metrics["moe/expert_load_max"]) <= lm.cfg.num_experts / lm.cfg.experts_per_token
+  assert 0 < float(metrics["moe/router_entropy"]) <= np.log(lm.cfg.num_experts)
+  # The checkpoint's coefficient applies where transformers would train with it (output_router_logits), not in RL.
+  assert router.coefficients(lm.cfg, None, 0.0).aux == 0.0
+  cfg = lm.cfg.replace(output_router_logits=True)
+  assert router.coefficients(cfg, None, 0.0).aux == cfg.router_aux_loss_coef == model.config.router_aux_loss_coef
+  assert router.coefficients(cfg, None, 0.0, rl=True).aux == 0.0
+
+
+def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_they_agree(tmp_path):
+  """Replaying a forward's own choices gives the same hidden states (mismatch exactly 0); replaying another
+  model's choices routes every token by them (the layer reports them as used, the mismatch counts the differences)
+  and the router still gets gradients through the replayed experts' gate values."""
+  from jalign.objectives import router
+  model = ref.build("qwen3_moe")
+  lm = models.from_pretrained(ref.save(model, tmp_path / "m"), dtype="float32")
+  ids, mask = ref.batch(model.config.vocab_size)
+  ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+  hidden, _, own = lm.forward_routed(ids, mask)
+  again, _, replayed = lm.forward_routed(ids, mask, route_ids=own.ids_BxTxK)
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(hidden))
+  np.testing.assert_array_equal(replayed.ids_BxTxK, own.ids_BxTxK)
+  assert float(jnp.sum(replayed.mismatch_sum)) == 0.0
+
+  other = models.from_pretrained(ref.save(ref.build("qwen3_moe", seed=5), tmp_path / "o"), dtype="float32")
+  _, _, theirs = other.forward_routed(ids, mask)
+  _, _, used = lm.forward_routed(ids, mask, route_ids=theirs.ids_BxTxK)
+  np.testing.assert_array_equal(used.ids_BxTxK, theirs.ids_BxTxK)
+  real = np.asarray(mask, bool)[None, :, :, None]
+  differ = np.sum(np.any(np.asarray(own.ids_BxTxK)[..., :, None] == np.asarray(theirs.ids_BxTxK)[..., None, :],
+                         axis=-2) == 0, where=real)
+  assert float(jnp.sum(used.mismatch_sum)) == differ > 0
+  _, metrics = router.terms(used, lm.cfg, router.RouterLoss())
+  np.testing.assert_allclose(metrics["moe/routing_mismatch"], differ / (np.sum(mask) * 3 * 2), rtol=1e-6)
+
+  graphdef, params = nnx.split(lm)
+  grad = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).forward_routed(ids, mask, route_ids=theirs.ids_BxTxK)[0]
+                                    ** 2))(params)
+  assert float(jnp.abs(grad["layers"]["router"][...]).max()) > 0
+
+
+def test_router_settings_on_a_dense_model_or_an_rl_task_are_errors():
+  from jalign.objectives import router
+  from tests.configs_util import run_config
+  dense = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                             num_kv_heads=1, head_dim=8)
+  with pytest.raises(ConfigError, match=r"router_aux_loss=0.01, router_z_loss=0.0: the model \(llama\) has no experts"):
+    router.coefficients(dense, 0.01, 0.0)
+  assert router.coefficients(dense, None, 0.0) == router.RouterLoss()
+  with pytest.raises(ConfigError, match=r"config.model.router_z_loss.*MoE router losses train with SFT only"):
+    run_config("grpo", model__router_z_loss=0.001)

@@ -23,9 +23,13 @@ def test_moe_sft_from_scratch_then_grpo_from_its_export(tmp_path):
   cfg = run_config("sft", run_dir=str(sft_dir), train__steps=30, optim__warmup_steps=5, **QUIET)
   arch = {**cfg.model.arch.__dict__, **MOE}
   sft_task.run(run_config("sft", run_dir=str(sft_dir), train__steps=30, optim__warmup_steps=5,
-                          model__arch=arch, **QUIET))
+                          model__arch=arch, model__router_aux_loss=0.01, model__router_z_loss=0.001, **QUIET))
   rows = [json.loads(line) for line in open(sft_dir / "metrics.jsonl") if "train/loss" in line]
   assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.5, [r["train/loss"] for r in rows]
+  for r in rows:  # the router's metrics on every logged step
+    assert 0 < r["moe/aux_loss"] <= 4 + 1e-6 and 1.0 <= r["moe/expert_load_max"] <= 2.0 + 1e-6
+    assert 0 < r["moe/router_entropy"] <= np.log(4) + 1e-6 and r["moe/z_loss"] > 0
+    assert r["moe/routing_mismatch"] == 0.0
 
   export = str(sft_dir / "hf")
   lm = models.from_pretrained(export, dtype="float32")
