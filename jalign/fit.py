@@ -25,14 +25,31 @@ import json
 import os
 import sys
 
-# Preset shapes from the published Hugging Face configs (meta-llama/Meta-Llama-3-8B and -70B, config.json).
-LLAMA3_ROPE = dict(theta=500000.0)
+# Preset shapes from the published Hugging Face configs (config.json of meta-llama/Meta-Llama-3-8B and -70B,
+# Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B); `rope_theta` becomes the RoPE config.
+_QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, num_kv_heads=4, head_dim=128, qk_norm=True,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
+                  norm_topk_prob=True, rope_theta=1e6)
 ARCHS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                      num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5),
+                      num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_theta=500000.0),
     "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                       num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5),
+                       num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                          moe_intermediate_size=768),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
+                            moe_intermediate_size=1536),
 }
+
+
+def arch_config(name: str):
+  """The `ModelConfig` of a preset (`ARCHS`)."""
+  from jalign.models.config import ModelConfig, RopeConfig
+  shape = dict(ARCHS[name])
+  rope = RopeConfig(theta=shape.pop("rope_theta"))
+  return ModelConfig(**shape, rope=rope)
 
 
 def _tree_bytes_per_device(abstract_tree) -> int:
@@ -56,7 +73,7 @@ def report(cfg, arch: str = "", target=None) -> dict:
   from jalign import models, parallel, tasks
   from jalign.core.errors import ConfigError
   from jalign.models import lora
-  from jalign.models.config import ModelConfig, RopeConfig, load_hf_config
+  from jalign.models.config import load_hf_config
   from jalign.train.step import Trainable, TrainState
 
   if cfg.task == "distill":
@@ -64,7 +81,7 @@ def report(cfg, arch: str = "", target=None) -> dict:
                       "check the student as an SFT run (--config.task=sft) and add the teacher's parameters")
   m = cfg.model
   if arch:
-    model_cfg = ModelConfig(**ARCHS[arch], rope=RopeConfig(**LLAMA3_ROPE))
+    model_cfg = arch_config(arch)
   elif m.path:
     model_cfg = load_hf_config(m.path)[0]
   else:
@@ -139,11 +156,14 @@ def model_flops(model_cfg, tokens_shape, params_total: int, trainable_params: in
   2 x params for the activations' gradient and 2 x trainable params for the weights' (PaLM, Chowdhery et al. 2022,
   appendix B: 6N per token), an untied input embedding excluded (a lookup), plus causal attention: 2 x T x heads x
   head_dim per token and layer forward (QK^T and PV over half the keys on average), three times that with the
-  backward. Remat's recomputation is not counted: a lower bound on the work."""
+  backward. An MoE model's parameters count as its active ones (k experts of E per token). Remat's recomputation is
+  not counted: a lower bound on the work."""
   import numpy as np
   tokens, t = int(np.prod(tokens_shape)), int(tokens_shape[-1])
   embed = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.hidden_size
-  dense = 4 * (params_total - embed) + 2 * max(trainable_params - embed, 0)
+  idle = model_cfg.num_params() - model_cfg.num_params(active=True)  # experts a token does not use
+  trainable_idle = idle if trainable_params == params_total else 0  # adapters never sit on routed experts
+  dense = 4 * (params_total - embed - idle) + 2 * max(trainable_params - embed - trainable_idle, 0)
   attention = 6 * model_cfg.num_layers * t * model_cfg.num_heads * model_cfg.head_dim
   return float(tokens) * (dense + attention)
 

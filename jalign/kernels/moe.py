@@ -17,8 +17,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jalign.kernels.target import target_platform
+from jalign.kernels.target import row_axes, target_platform
 
 IMPLS = ("auto", "xla", "megablox")
 _TILE = 128  # megablox's row / contraction / output tile
@@ -75,7 +76,34 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
                 up_ExDxF: jax.Array, down_ExFxD: jax.Array, activation: Callable, *, impl: str = "auto"
                 ) -> jax.Array:
   """sum_j weights[t, j] * down_e(act(x_t gate_e) * (x_t up_e)), e = ids[t, j]: [T, D] in x's dtype. Dropless: the
-  T*k token copies sorted by expert, three grouped matmuls over them, then unsorted."""
+  T*k token copies sorted by expert, three grouped matmuls over them, then unsorted.
+
+  On a mesh (`jax.set_mesh`) it runs under `shard_map`: each device routes its own rows (tokens split over the
+  data-parallel axes, `row_axes`) through every expert's weights, gathered over `fsdp` like a dense layer's, with the
+  experts' hidden dimension split over `tensor` (Megatron-style: the down projection's partial sums added over
+  `tensor`). The Mosaic kernel needs this (it is not partitioned automatically); sorting locally also keeps XLA
+  from gathering every token to sort them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return _experts_local(x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl)
+  F = gate_ExDxF.shape[-1]
+  tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and F % mesh.shape["tensor"] == 0 else None
+  row_spec = row_axes(x_TxD.shape[0])
+  rows = P(row_spec)
+
+  def local(x, ids, weights, gate, up, down):
+    return _experts_local(x, ids, weights, gate, up, down, activation, impl)[None]
+
+  # Each `tensor` shard's partial sums come out stacked and are added outside the shard_map, where the sum's
+  # gradient (a broadcast) is XLA's own (Mosaic needs check_vma off, under which a psum would not transpose right).
+  partial_SxTxD = jax.shard_map(
+      local, in_specs=(rows, rows, rows, P(None, None, tensor), P(None, None, tensor), P(None, tensor, None)),
+      out_specs=P(tensor, row_spec), axis_names=set(mesh.axis_names), check_vma=False)(
+      x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD)
+  return jnp.sum(partial_SxTxD, axis=0)
+
+
+def _experts_local(x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl):
   T, K = ids_TxK.shape
   E = gate_ExDxF.shape[0]
   flat_ids = ids_TxK.reshape(-1)

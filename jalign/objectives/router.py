@@ -19,23 +19,27 @@ from jalign.models.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class RouterLoss:
-  aux: float = 0.0   # load-balancing loss coefficient
-  z: float = 0.0     # z-loss coefficient
+  """The router terms' coefficients as configured (`model.router_aux_loss`, `model.router_z_loss`)."""
+  aux: float | None = 0.0   # load balancing; None = the checkpoint's (`coefficients`)
+  z: float = 0.0            # z-loss
+  rl: bool = False          # an RL objective: `aux` None means 0
 
 
-def coefficients(model_cfg: ModelConfig, aux: float | None, z: float, *, rl: bool = False) -> RouterLoss:
-  """The coefficients a run trains with: `aux` None takes the checkpoint's (`router_aux_loss_coef` when its
+def coefficients(model_cfg: ModelConfig, setting: RouterLoss) -> tuple[float, float]:
+  """(aux, z) a run trains `model_cfg` with: `aux` None takes the checkpoint's (`router_aux_loss_coef` when its
   `output_router_logits` is true, as transformers adds it) for SFT-like objectives and 0 for RL."""
+  aux, z = setting.aux, setting.z
   if not model_cfg.num_experts and (aux or z):
     raise ConfigError(f"config.model.router_aux_loss={aux}, router_z_loss={z}: the model "
                       f"({model_cfg.model_type}) has no experts; these apply to MoE models only")
   if aux is None:
-    aux = 0.0 if rl or not model_cfg.output_router_logits else model_cfg.router_aux_loss_coef
-  return RouterLoss(float(aux), float(z))
+    aux = 0.0 if setting.rl or not model_cfg.output_router_logits else model_cfg.router_aux_loss_coef
+  return float(aux), float(z)
 
 
-def terms(routing, model_cfg: ModelConfig, coefs: RouterLoss) -> tuple[jnp.ndarray, dict]:
+def terms(routing, model_cfg: ModelConfig, setting: RouterLoss) -> tuple[jnp.ndarray, dict]:
   """(the penalty to add to the mean loss, metrics) from a stacked `Routing` (L layers)."""
+  aux_coef, z_coef = coefficients(model_cfg, setting)
   E, k = model_cfg.num_experts, model_cfg.experts_per_token
   tokens = jnp.maximum(jnp.sum(routing.tokens), 1.0)
   f_E = jnp.sum(routing.counts_E, axis=0) / tokens
@@ -48,4 +52,4 @@ def terms(routing, model_cfg: ModelConfig, coefs: RouterLoss) -> tuple[jnp.ndarr
   metrics = {"moe/aux_loss": aux, "moe/z_loss": z, "moe/expert_load_max": load_max,
              "moe/router_entropy": jnp.sum(routing.entropy_sum) / tokens,
              "moe/routing_mismatch": jnp.sum(routing.mismatch_sum) / (k * tokens)}
-  return coefs.aux * aux + coefs.z * z, metrics
+  return aux_coef * aux + z_coef * z, metrics

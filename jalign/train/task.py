@@ -137,8 +137,7 @@ class Task:
 
   def router_loss(self) -> router.RouterLoss:
     """An MoE model's router-loss coefficients for this task (`model.router_aux_loss`, `model.router_z_loss`)."""
-    m = self.cfg.model
-    return router.coefficients(self.setup.model_cfg, m.router_aux_loss, m.router_z_loss)
+    return router.RouterLoss(self.cfg.model.router_aux_loss, self.cfg.model.router_z_loss)
 
   def next_batch(self, state: TrainState, step: int) -> dict:
     """The process-local host batch of step `step` (e.g. with completions the policy samples first)."""
