@@ -16,6 +16,7 @@ import numpy as np
 from jalign.core.errors import CheckpointError, ConfigError
 from jalign.kernels.attn import IMPLS as ATTENTION_IMPLS
 from jalign.models.lora import LoraConfig
+from jalign.models.moe import moe_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe",
                          "qwen3_moe", "mixtral")
@@ -266,7 +267,7 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
 
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
   bias = bool(hf.get("attention_bias", False))
-  moe = _moe_from_hf(hf, model_type, n_layers, where)
+  moe = moe_from_hf(hf, model_type, n_layers, where)
   eos = hf.get("eos_token_id")
   return ModelConfig(
       vocab_size=int(_require(hf, "vocab_size", where)), hidden_size=hidden,
@@ -286,32 +287,6 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"),
       param_dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
       dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32", **moe)
-
-
-def _moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[str, Any]:
-  """The MoE fields of `ModelConfig` from a Qwen2-MoE / Qwen3-MoE / Mixtral config.json ({} for dense families)."""
-  if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
-    return {}
-  experts = hf.get("num_experts", hf.get("num_local_experts"))
-  if experts is None:
-    raise ConfigError(f"{where}: missing required key 'num_experts' (or 'num_local_experts')")
-  out = dict(num_experts=int(experts), experts_per_token=int(_require(hf, "num_experts_per_tok", where)))
-  step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
-  if step != 1 or dense_layers:
-    sparse = [i for i in range(n_layers) if i not in dense_layers and (i + 1) % step == 0]
-    raise ConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers} make layers {sparse} "
-                      "sparse and the rest dense; only models whose every layer is sparse are supported "
-                      "(decoder_sparse_step=1, mlp_only_layers=[])")
-  out.update(router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-             output_router_logits=bool(hf.get("output_router_logits", False)))
-  if model_type == "mixtral":  # every expert is an MLP of intermediate_size; top-k always renormalised
-    return {**out, "moe_intermediate_size": int(_require(hf, "intermediate_size", where)), "norm_topk_prob": True}
-  out.update(moe_intermediate_size=int(_require(hf, "moe_intermediate_size", where)),
-             norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
-  if model_type == "qwen2_moe":
-    out.update(shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0))
-    out.update(shared_expert_gate=out["shared_expert_size"] > 0)
-  return out
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:

@@ -17,10 +17,10 @@ import numpy as np
 from flax import nnx
 
 from jalign import kernels
-from jalign.kernels import moe
 from jalign.kernels.attn import AUTO_CHUNKED_FROM, gqa_attention
 from jalign.kernels.attn import attention_mask as _attention_mask
 from jalign.models import lora as lora_lib
+from jalign.models import moe as moe_block
 from jalign.models.attention import apply_rope, positions_from_mask
 from jalign.models.config import ModelConfig
 from jalign.models.sharding import AXES, DEFAULT_RULES, state_shardings
@@ -226,59 +226,12 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
       out = out * jax.nn.sigmoid(_dense(h, w("shared_gate")[:, None]))
   routing = None
   if cfg.num_experts:
-    routed, routing = _experts(cfg, h, lp, q_segment_BxT != 0, route_ids_BxTxK)
+    routed, routing = moe_block.experts(cfg, h, lp, q_segment_BxT != 0, route_ids_BxTxK,
+                                        _activation(cfg.activation))
     out = routed if out is None else out + routed
   if cfg.post_norms:
     out = rms_norm(out, lp["post_ffw_norm"], cfg)
   return x + out, new_kv, routing
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Routing:
-  """What an MoE layer's router did over a batch (stacked [L, ...] over layers by `Decoder.forward_routed`). Sums
-  are over real tokens (segment id != 0), so padding never counts."""
-  ids_BxTxK: jax.Array      # the experts each token used (the replayed ones when replaying)
-  counts_E: jax.Array       # token choices per expert
-  probs_E: jax.Array        # router probabilities summed over tokens, per expert
-  z_sum: jax.Array          # sum of logsumexp(router logits)^2 (ST-MoE's z-loss, times the tokens)
-  entropy_sum: jax.Array    # sum of the router distribution's entropy
-  mismatch_sum: jax.Array   # replayed choices the router would not have made itself (0 without replay)
-  tokens: jax.Array         # real tokens
-
-
-def _experts(cfg: ModelConfig, h_BxTxD, lp: dict[str, jax.Array], real_BxT, replay_BxTxK=None):
-  """The routed experts' share of the MLP, each token's top-k experts weighted by their gate values, and the layer's
-  `Routing`. The router runs in fp32 whatever the compute dtype, so which experts a token picks does not hinge on
-  bf16 rounding. `replay_BxTxK`: use those experts (their gate values still the router's own probabilities, so the
-  router trains through them)."""
-  B, T, D = h_BxTxD.shape
-  dt = h_BxTxD.dtype
-  k = cfg.experts_per_token
-  h_NxD = h_BxTxD.reshape(B * T, D)
-  logits_NxE = h_NxD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
-  weights_NxK, ids_NxK = moe.route(logits_NxE, k, normalize=cfg.norm_topk_prob)
-  own_NxK = ids_NxK
-  if replay_BxTxK is not None:
-    ids_NxK = replay_BxTxK.reshape(B * T, k).astype(jnp.int32)
-    weights_NxK = moe.replayed_weights(logits_NxE, ids_NxK, normalize=cfg.norm_topk_prob)
-  out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
-                        lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), _activation(cfg.activation),
-                        impl=cfg.moe_impl)
-  real_N = real_BxT.reshape(-1).astype(jnp.float32)
-  probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
-  lse_N = jax.nn.logsumexp(logits_NxE, axis=-1)
-  entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)
-  chosen_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, cfg.num_experts, dtype=jnp.float32), axis=1)
-  missed_N = k - jnp.sum(jnp.any(own_NxK[:, :, None] == ids_NxK[:, None, :], axis=1), axis=-1)
-  routing = Routing(ids_NxK.reshape(B, T, k), real_N @ chosen_NxE, real_N @ probs_NxE, real_N @ lse_N ** 2,
-                    real_N @ entropy_N, real_N @ missed_N.astype(jnp.float32), jnp.sum(real_N))
-  return out.reshape(B, T, D), routing
-
-
-def _stack(routings: list):
-  """Per-layer `Routing`s as one, stacked [L, ...] (None for a dense model)."""
-  return None if routings[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *routings)
 
 
 def _remat(fn, mode: str, static_argnums=(0,)):
@@ -320,7 +273,7 @@ class Decoder(nnx.Module):
   def forward_routed(self, input_ids_BxT, attention_mask=None, *, positions=None, segment_ids=None,
                      cache: KVCache | None = None, layers: list[dict] | None = None,
                      dropout_rng: jax.Array | None = None, route_ids: jax.Array | None = None
-                     ) -> tuple[jax.Array, KVCache | None, Routing | None]:
+                     ) -> tuple[jax.Array, KVCache | None, moe_block.Routing | None]:
     """Hidden states after the final norm, [B, T, D], the updated cache, and an MoE model's `Routing` stacked over
     layers (None for a dense model).
 
@@ -369,7 +322,7 @@ class Decoder(nnx.Module):
           new_v.append(kv[1])
       if cache is not None:
         cache = KVCache(tuple(new_k), tuple(new_v), k_segment, cache_index + T)
-      return rms_norm(x, self.final_norm[...], cfg), cache, _stack(routings)
+      return rms_norm(x, self.final_norm[...], cfg), cache, moe_block.stack(routings)
 
     keys_L = None
     if dropout_rng is not None and lora is not None and lora.dropout > 0:
@@ -394,7 +347,7 @@ class Decoder(nnx.Module):
       for i in range(cfg.num_layers):
         x, r = body(x, jax.tree.map(lambda a: a[i], xs))
         routings.append(r)
-      routing = _stack(routings)
+      routing = moe_block.stack(routings)
     return rms_norm(x, self.final_norm[...], cfg), None, routing
 
   def response_hidden(self, tokens_NxT, *, segment_ids, positions, response_len: int, group_size: int = 0,

@@ -1,0 +1,92 @@
+"""Mixture-of-Experts blocks of the decoder: the routed experts' share of a layer's MLP (`kernels.moe` for the
+compute), what the router did (`Routing`), and the MoE fields of a Hugging Face config.json."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jalign.core.errors import ConfigError
+from jalign.kernels import moe
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Routing:
+  """What an MoE layer's router did over a batch (stacked [L, ...] over layers by `Decoder.forward_routed`). Sums
+  are over real tokens (segment id != 0), so padding never counts."""
+  ids_BxTxK: jax.Array      # the experts each token used (the replayed ones when replaying)
+  counts_E: jax.Array       # token choices per expert
+  probs_E: jax.Array        # router probabilities summed over tokens, per expert
+  z_sum: jax.Array          # sum of logsumexp(router logits)^2 (ST-MoE's z-loss, times the tokens)
+  entropy_sum: jax.Array    # sum of the router distribution's entropy
+  mismatch_sum: jax.Array   # replayed choices the router would not have made itself (0 without replay)
+  tokens: jax.Array         # real tokens
+
+
+def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, replay_BxTxK, activation: Callable):
+  """The routed experts' share of the MLP (`cfg`: the decoder's ModelConfig), each token's top-k experts weighted
+  by their gate values, and the layer's `Routing`. The router runs in fp32 whatever the compute dtype, so which
+  experts a token picks does not hinge on bf16 rounding. `replay_BxTxK`: use those experts (their gate values still the router's own probabilities, so the
+  router trains through them)."""
+  B, T, D = h_BxTxD.shape
+  dt = h_BxTxD.dtype
+  k = cfg.experts_per_token
+  h_NxD = h_BxTxD.reshape(B * T, D)
+  logits_NxE = h_NxD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
+  weights_NxK, ids_NxK = moe.route(logits_NxE, k, normalize=cfg.norm_topk_prob)
+  own_NxK = ids_NxK
+  if replay_BxTxK is not None:
+    ids_NxK = replay_BxTxK.reshape(B * T, k).astype(jnp.int32)
+    weights_NxK = moe.replayed_weights(logits_NxE, ids_NxK, normalize=cfg.norm_topk_prob)
+  out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
+                        lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), activation,
+                        impl=cfg.moe_impl)
+  real_N = real_BxT.reshape(-1).astype(jnp.float32)
+  probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
+  lse_N = jax.nn.logsumexp(logits_NxE, axis=-1)
+  entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)
+  chosen_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, cfg.num_experts, dtype=jnp.float32), axis=1)
+  missed_N = k - jnp.sum(jnp.any(own_NxK[:, :, None] == ids_NxK[:, None, :], axis=1), axis=-1)
+  routing = Routing(ids_NxK.reshape(B, T, k), real_N @ chosen_NxE, real_N @ probs_NxE, real_N @ lse_N ** 2,
+                    real_N @ entropy_N, real_N @ missed_N.astype(jnp.float32), jnp.sum(real_N))
+  return out.reshape(B, T, D), routing
+
+
+def stack(routings: list):
+  """Per-layer `Routing`s as one, stacked [L, ...] (None for a dense model)."""
+  return None if routings[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *routings)
+
+
+def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[str, Any]:
+  """The MoE fields of `ModelConfig` from a Qwen2-MoE / Qwen3-MoE / Mixtral config.json ({} for dense families)."""
+  if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+    return {}
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if experts is None:
+    raise ConfigError(f"{where}: missing required key 'num_experts' (or 'num_local_experts')")
+  out = dict(num_experts=int(experts), experts_per_token=int(_need(hf, "num_experts_per_tok", where)))
+  step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+  if step != 1 or dense_layers:
+    sparse = [i for i in range(n_layers) if i not in dense_layers and (i + 1) % step == 0]
+    raise ConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers} make layers {sparse} "
+                      "sparse and the rest dense; only models whose every layer is sparse are supported "
+                      "(decoder_sparse_step=1, mlp_only_layers=[])")
+  out.update(router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+             output_router_logits=bool(hf.get("output_router_logits", False)))
+  if model_type == "mixtral":  # every expert is an MLP of intermediate_size; top-k always renormalised
+    return {**out, "moe_intermediate_size": int(_need(hf, "intermediate_size", where)), "norm_topk_prob": True}
+  out.update(moe_intermediate_size=int(_need(hf, "moe_intermediate_size", where)),
+             norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+  if model_type == "qwen2_moe":
+    out.update(shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0))
+    out.update(shared_expert_gate=out["shared_expert_size"] > 0)
+  return out
+
+
+def _need(hf: dict, key: str, where: str):
+  if key not in hf:
+    raise ConfigError(f"{where}: missing required key {key!r}")
+  return hf[key]
