@@ -1,7 +1,7 @@
-"""The MoE layer on CPU: dropless grouped matmuls (`kernels.moe.experts_mlp`, `jax.lax.ragged_dot`) against the dense
-all-experts form (`kernels.moe.reference`) and transformers' `Qwen3MoeSparseMoeBlock` (its loop over the chosen
-experts), value + gradient of the whole block (router and experts), fp32, all measured in this run (best of
-`--repeats`); then XLA's compiled memory of the grouped and the dense forms.
+"""The MoE layer on CPU: dropless grouped matmuls (`kernels.moe.experts_mlp`: the block-sparse `xla` form, and
+`jax.lax.ragged_dot`) against the dense all-experts form (`kernels.moe.reference`) and transformers'
+`Qwen3MoeSparseMoeBlock` (its loop over the chosen experts), value + gradient of the whole block (router and
+experts), fp32, all measured in this run (best of `--repeats`); then XLA's compiled memory of each form.
 
 64 experts, top 8 (norm_topk_prob), hidden 512, expert hidden 256, 4096 tokens (the shapes' ratios are Qwen3-30B-A3B's
 at a quarter of its width).
@@ -53,8 +53,8 @@ def _best(fn, repeats: int) -> float:
   return best
 
 
-def jax_seconds(form: str, w: dict, repeats: int) -> float:
-  step = jax.jit(_block(form))
+def jax_seconds(form: str, w: dict, repeats: int, impl: str = "xla") -> float:
+  step = jax.jit(_block(form, impl))
   args = [jnp.asarray(w[k]) for k in ("x", "router", "gate", "up", "down")]
   return _best(lambda: jax.block_until_ready(step(*args)), repeats)
 
@@ -99,14 +99,17 @@ def main():
   args = parser.parse_args()
   w = _weights()
   grouped, dense = jax_seconds("grouped", w, args.repeats), jax_seconds("dense", w, args.repeats)
+  ragged = jax_seconds("grouped", w, 1, impl="ragged")
   hf = transformers_seconds(w, args.repeats)
   print(f"MoE block value + gradient, {T} tokens, {E} experts top {K}, D {D}, F {F}, fp32, CPU "
         f"({jax.device_count()} device(s)):")
-  print(f"  grouped (ragged_dot) {grouped:.3f} s   dense all-experts {dense:.3f} s   transformers {hf:.3f} s")
-  print(f"  grouped is {dense / grouped:.2f}x the dense form, {hf / grouped:.2f}x transformers")
-  g, d = compiled_bytes("grouped"), compiled_bytes("dense")
-  print(f"  compiled temporaries: grouped {g['temp_MB']:.1f} MB, dense {d['temp_MB']:.1f} MB "
-        f"({g['temp_MB'] / d['temp_MB']:.3f} of dense)")
+  print(f"  grouped (xla, blocks of {moe.BLOCK}) {grouped:.3f} s   grouped (ragged_dot) {ragged:.3f} s   "
+        f"dense all-experts {dense:.3f} s   transformers {hf:.3f} s")
+  print(f"  grouped is {dense / grouped:.2f}x the dense form, {hf / grouped:.2f}x transformers, "
+        f"{ragged / grouped:.2f}x ragged_dot")
+  g, r, d = compiled_bytes("grouped"), compiled_bytes("grouped", impl="ragged"), compiled_bytes("dense")
+  print(f"  compiled temporaries: grouped {g['temp_MB']:.1f} MB, ragged_dot {r['temp_MB']:.1f} MB, dense "
+        f"{d['temp_MB']:.1f} MB (grouped: {g['temp_MB'] / d['temp_MB']:.3f} of dense)")
   if args.topology:
     from jalign.parallel import tpu_target
     mesh = jax.sharding.Mesh(np.asarray(tpu_target.target(args.topology).devices).reshape(-1)[:1], ("x",))

@@ -20,7 +20,7 @@ from jalign.models.moe import moe_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe",
                          "qwen3_moe", "mixtral")
-MOE_IMPLS = ("auto", "xla", "megablox")  # `kernels.moe.grouped_matmul`
+MOE_IMPLS = ("auto", "xla", "ragged", "megablox")  # `kernels.moe.grouped_matmul`
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "gelu": "gelu"}
@@ -369,7 +369,7 @@ class ModelSection:
   # recompute activations in the backward: none, full, or dots (keep matmul outputs)
   remat: Literal["none", "full", "dots"] = "none"
   attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
-  moe_impl: Literal["auto", "xla", "megablox"] = "auto"  # MoE models: the experts' grouped matmul (`kernels.moe`)
+  moe_impl: Literal["auto", "xla", "ragged", "megablox"] = "auto"  # MoE models: the experts' grouped matmul (`kernels.moe`)
   # MoE models: the load-balancing loss coefficient; None = the checkpoint's (router_aux_loss_coef when its
   # output_router_logits is true, as transformers trains), and 0 for RL objectives
   router_aux_loss: float | None = None

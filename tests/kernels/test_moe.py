@@ -24,13 +24,15 @@ def _np_grouped(x, w, sizes):
   return np.concatenate(out)
 
 
-@pytest.mark.parametrize("sizes", [(5, 0, 7, 1, 0, 3), (0, 0, 16, 0), (4, 4, 4, 4)])
-def test_grouped_matmul_equals_a_matmul_per_group_value_and_gradient(sizes):
+@pytest.mark.parametrize("impl", ["xla", "ragged"])
+@pytest.mark.parametrize("sizes", [(5, 0, 7, 1, 0, 3), (0, 0, 16, 0), (4, 4, 4, 4), (130, 0, 1, 260)])
+def test_grouped_matmul_equals_a_matmul_per_group_value_and_gradient(sizes, impl):
+  """Ragged groups, empty ones, groups that straddle the `xla` form's 128-row blocks."""
   x, w, s = _groups(sizes)
-  np.testing.assert_allclose(moe.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(s), impl="xla"),
+  np.testing.assert_allclose(moe.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(s), impl=impl),
                              _np_grouped(x, w, s), rtol=1e-5, atol=1e-5)
   g = np.random.RandomState(1).randn(sum(sizes), w.shape[-1]).astype(np.float32)
-  dx, dw = jax.grad(lambda a, b: jnp.sum(moe.grouped_matmul(a, b, jnp.asarray(s), impl="xla") * g),
+  dx, dw = jax.grad(lambda a, b: jnp.sum(moe.grouped_matmul(a, b, jnp.asarray(s), impl=impl) * g),
                     argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
   want_dx, want_dw, start = np.zeros_like(x), np.zeros_like(w), 0
   for e, size in enumerate(s):  # d(x_g w_e)/dx = g w_e^T, /dw_e = x_g^T g: an empty expert gets a zero gradient
@@ -48,8 +50,16 @@ def test_megablox_in_interpret_mode_equals_ragged_dot():
   np.testing.assert_allclose(got, _np_grouped(x, w, s), rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="needs a TPU target"):
     moe.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(s), impl="megablox")
-  with pytest.raises(ValueError, match="accepted: auto, xla, megablox"):
+  with pytest.raises(ValueError, match="accepted: auto, xla, ragged, megablox"):
     moe.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(s), impl="dense")
+
+
+def test_rows_past_the_groups_come_back_as_zeros():
+  x, w, s = _groups((3, 0, 4))
+  for impl in ("xla", "ragged"):
+    got = np.asarray(moe.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(np.array([3, 0, 2])), impl=impl))
+    np.testing.assert_allclose(got[:5], _np_grouped(x[:5], w, np.array([3, 0, 2])), rtol=1e-5, atol=1e-5)
+    assert np.all(got[5:] == 0), impl
 
 
 @pytest.mark.parametrize("normalize", [False, True])
