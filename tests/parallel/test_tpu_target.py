@@ -65,10 +65,9 @@ def test_fit_report_compiles_the_task_step_for_a_slice():
   assert "compiled for the TPU" in fit.format_report(r) and "fits in 16 GiB" in fit.format_report(r)
 
 
-def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
-  """The command of jalign/fit.py's doc: a Llama-3-8B SFT step, one 8192-token sequence per chip, bf16,
-  full remat, compiled for TPU v5p (4 chips, FSDP over them) with splash attention and the Pallas log-prob kernel
-  (auto picks both for a TPU): it fits the chip's 95 GiB (and uses under half of it)."""
+def _fit_sft_at_8k_on_v5p_8(tmp_path, arch: str):
+  """`python -m jalign.fit` as jalign/fit.py's doc runs it: an SFT step of `arch`, one 8192-token sequence per chip,
+  bf16, full remat, compiled for TPU v5p-8 (4 chips, FSDP over them): (its --json report, its stdout)."""
   import json
   import os
   import subprocess
@@ -78,17 +77,24 @@ def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
   out = tmp_path / "fit.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   proc = subprocess.run(
-      [sys.executable, "-m", "jalign.fit", "--config=configs/sft.py", "--arch=llama3-8b", "--topology=v5p-8",
+      [sys.executable, "-m", "jalign.fit", "--config=configs/sft.py", f"--arch={arch}", "--topology=v5p-8",
        "--config.mesh.shape=(1,4,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
        "--config.train.batch_size=4", "--config.train.seq_len=8192", f"--json={out}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(out.read_text())
+  return json.loads(out.read_text()), proc.stdout
+
+
+def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
+  """The command of jalign/fit.py's doc: a Llama-3-8B SFT step, one 8192-token sequence per chip, bf16,
+  full remat, compiled for TPU v5p (4 chips, FSDP over them) with splash attention and the Pallas log-prob kernel
+  (auto picks both for a TPU): it fits the chip's 95 GiB (and uses under half of it)."""
+  r, stdout = _fit_sft_at_8k_on_v5p_8(tmp_path, "llama3-8b")
   assert r["target"]["chip"] == "TPU v5p" and r["target"]["chips"] == 4
   b = r["bytes_per_device"]
   assert b["params"] == pytest.approx(8_030_261_248 * 2 / 4, rel=0.01)
   assert b["peak"] < 0.5 * 95 * 2**30
-  assert "fits in 95 GiB per device" in proc.stdout
+  assert "fits in 95 GiB per device" in stdout
   # 6 x 8.03e9 x 8192 matmul FLOPs plus attention, per chip, at 459 TFLOP/s: about 0.9 s at the least.
   assert 0.8 < r["target"]["step_time_lower_bound_s"] < 1.1
 
@@ -98,24 +104,10 @@ def test_qwen3_30b_a3b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
   compiled for TPU v5p (4 chips, FSDP over them): the experts run the Mosaic grouped matmul inside shard_map (the
   compile fails otherwise: Mosaic kernels are not partitioned automatically), all 30.5 B parameters are held and the
   step-time bound counts the 3.35 B active ones."""
-  import json
-  import os
-  import subprocess
-  import sys
-
-  from tests.configs_util import ROOT
-  out = tmp_path / "fit.json"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  proc = subprocess.run(
-      [sys.executable, "-m", "jalign.fit", "--config=configs/sft.py", "--arch=qwen3-30b-a3b", "--topology=v5p-8",
-       "--config.mesh.shape=(1,4,1)", "--config.model.dtype=bfloat16", "--config.model.remat=full",
-       "--config.train.batch_size=4", "--config.train.seq_len=8192", f"--json={out}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(out.read_text())
+  r, stdout = _fit_sft_at_8k_on_v5p_8(tmp_path, "qwen3-30b-a3b")
   b = r["bytes_per_device"]
   assert b["params"] == pytest.approx(30_532_122_624 * 2 / 4, rel=0.01)
-  assert b["peak"] < 95 * 2**30 and "fits in 95 GiB per device" in proc.stdout
+  assert b["peak"] < 95 * 2**30 and "fits in 95 GiB per device" in stdout
   # Per token 6 x (3.353e9 active - 0.311e9 embedding) + 6 x 48 x 8192 x 32 x 128 (attention), 8192 tokens per
   # chip, at 459 TFLOP/s: about 0.5 s at the least.
   assert 0.45 < r["target"]["step_time_lower_bound_s"] < 0.55
