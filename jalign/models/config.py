@@ -369,7 +369,8 @@ class ModelSection:
   # recompute activations in the backward: none, full, or dots (keep matmul outputs)
   remat: Literal["none", "full", "dots"] = "none"
   attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
-  moe_impl: Literal["auto", "xla", "ragged", "megablox"] = "auto"  # MoE models: the experts' grouped matmul (`kernels.moe`)
+  # MoE models: the experts' grouped matmul (`kernels.moe`)
+  moe_impl: Literal["auto", "xla", "ragged", "megablox"] = "auto"
   # MoE models: the load-balancing loss coefficient; None = the checkpoint's (router_aux_loss_coef when its
   # output_router_logits is true, as transformers trains), and 0 for RL objectives
   router_aux_loss: float | None = None

@@ -9,6 +9,7 @@ straight from the memory-mapped files (`jax.make_array_from_callback`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -147,12 +148,10 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
         continue
       fused = spec.fused and hf_name(dataclasses.replace(spec, hf=spec.fused[0]), layer)
       if fused in tensors:  # transformers 5's fused experts
-        e, (a, b) = cfg.num_experts, spec.hf_shape(cfg)
-        want = (e, 2 * a, b) if spec.fused[0].endswith("gate_up_proj") else (e, a, b)
-        out.append(spec.fused[1](read(fused, want), cfg))
+        out.append(spec.fused[2](read(fused, spec.fused[1](cfg)), cfg))
       else:
-        out.append(hf_tensors.ExpertStack([spec.to_jalign(read(hf_name(spec, layer).format(e=e), tuple(spec.hf_shape(cfg))),
-                                                cfg) for e in range(cfg.num_experts)]))
+        per_expert = (read(hf_name(spec, layer).format(e=e), tuple(spec.hf_shape(cfg))) for e in range(cfg.num_experts))
+        out.append(hf_tensors.ExpertStack([spec.to_jalign(a, cfg) for a in per_expert]))
     return out
 
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
@@ -186,8 +185,6 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
                           f"{', '.join(unexpected[:10])}{more}")
   nnx.replace_by_pure_dict(abstract_state, pure)
   return nnx.merge(graphdef, abstract_state), (None if score_weight is None else score_weight[0])
-
-
 
 
 def architectures(path: str) -> list[str]:
@@ -262,11 +259,12 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   if score is not None:
     entries.append(("score.weight", (1, cfg.hidden_size), lambda: score[None]))
   moe_block = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"  # the hub's names
+  layer_on_host = functools.lru_cache(maxsize=1)(lambda n, i: to_host(state["layers"][n][i]))
   for layer in range(cfg.num_layers):
     for name, spec in hf_tensors.layer_tensors(cfg, moe_block).items():
-      if "{e}" in spec.hf:
+      if "{e}" in spec.hf:  # one gather per layer, its experts then written one by one
         entries.extend((f"model.layers.{layer}.{spec.hf.format(e=e)}", spec.hf_shape(cfg),
-                        lambda n=name, s=spec, i=layer, e=e: s.to_hf(to_host(state["layers"][n][i, e]), cfg))
+                        lambda n=name, s=spec, i=layer, e=e: s.to_hf(layer_on_host(n, i)[e], cfg))
                        for e in range(cfg.num_experts))
       else:
         entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),

@@ -19,8 +19,9 @@ class Tensor:
   to_jalign: Callable[[np.ndarray, ModelConfig], np.ndarray]
   to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
   # "{e}" in `hf`: one tensor per expert, stacked on the parameter's experts axis. `fused`: the transformers 5 form
+  # (its name, its shape, and how to slice this parameter out of it)
   # that holds every expert in one tensor, and how to slice this parameter out of it ([E, ...] -> jalign's form).
-  fused: tuple[str, Callable[[np.ndarray, ModelConfig], np.ndarray]] | None = None
+  fused: tuple[str, Callable[[ModelConfig], tuple], Callable[[np.ndarray, ModelConfig], np.ndarray]] | None = None
 
 
 def _proj(heads_attr: str, out: bool = False) -> tuple:
@@ -53,15 +54,16 @@ def _moe_tensors(cfg: ModelConfig, block: str) -> dict[str, Tensor]:
   "block_sparse_moe")."""
   fe = lambda c: c.moe_intermediate_size  # noqa: E731
   names = (("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj"))
-  fused_gate_up = f"{block}.experts.gate_up_proj"
+  gate_up = (f"{block}.experts.gate_up_proj", lambda c: (c.num_experts, 2 * fe(c), c.hidden_size))
+  down = (f"{block}.experts.down_proj", lambda c: (c.num_experts, c.hidden_size, fe(c)))
   t = {
       "router": Tensor(f"{block}.gate.weight", lambda c: (c.num_experts, c.hidden_size), *_transpose),
       "expert_gate": Tensor(f"{block}.experts.{{e}}.{names[0]}.weight", lambda c: (fe(c), c.hidden_size),
-                             *_transpose, fused=(fused_gate_up, lambda a, c: a[:, :fe(c)].transpose(0, 2, 1))),
+                             *_transpose, fused=(*gate_up, lambda a, c: a[:, :fe(c)].transpose(0, 2, 1))),
       "expert_up": Tensor(f"{block}.experts.{{e}}.{names[1]}.weight", lambda c: (fe(c), c.hidden_size),
-                           *_transpose, fused=(fused_gate_up, lambda a, c: a[:, fe(c):].transpose(0, 2, 1))),
+                           *_transpose, fused=(*gate_up, lambda a, c: a[:, fe(c):].transpose(0, 2, 1))),
       "expert_down": Tensor(f"{block}.experts.{{e}}.{names[2]}.weight", lambda c: (c.hidden_size, fe(c)),
-                             *_transpose, fused=(f"{block}.experts.down_proj", lambda a, c: a.transpose(0, 2, 1))),
+                             *_transpose, fused=(*down, lambda a, c: a.transpose(0, 2, 1))),
   }
   if cfg.shared_expert_gate:
     t["shared_gate"] = Tensor("mlp.shared_expert_gate.weight", lambda c: (1, c.hidden_size),

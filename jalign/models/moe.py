@@ -29,8 +29,8 @@ class Routing:
 def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, replay_BxTxK, activation: Callable):
   """The routed experts' share of the MLP (`cfg`: the decoder's ModelConfig), each token's top-k experts weighted
   by their gate values, and the layer's `Routing`. The router runs in fp32 whatever the compute dtype, so which
-  experts a token picks does not hinge on bf16 rounding. `replay_BxTxK`: use those experts (their gate values still the router's own probabilities, so the
-  router trains through them)."""
+  experts a token picks does not hinge on bf16 rounding. `replay_BxTxK`: use those experts (their gate values still
+  the router's own probabilities, so the router trains through them)."""
   B, T, D = h_BxTxD.shape
   dt = h_BxTxD.dtype
   k = cfg.experts_per_token
