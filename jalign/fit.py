@@ -123,7 +123,7 @@ def report(cfg, arch: str = "", target=None) -> dict:
   # it takes: the program the run compiles, not a copy of it.
   jitted = task.jit_update(mesh, Trainable(graphdef, state, state_sh, frozen, frozen_sh), optimizer, schedule)
   batch_sh = parallel.batch_sharding(mesh)
-  batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh), task.abstract_batch())
+  batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh), task.abstract_batch(model_cfg))
   columns = batch if isinstance(batch, dict) else batch.columns()  # GRPO / PPO: a RolloutBatch
   with jax.set_mesh(mesh):
     compiled = jitted.lower(state, batch, None if frozen is None else with_sharding(frozen, frozen_sh)).compile()

@@ -7,7 +7,6 @@ which are scanned alongside the weights.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -23,6 +22,7 @@ from jalign.models import lora as lora_lib
 from jalign.models import moe as moe_block
 from jalign.models.attention import apply_rope, positions_from_mask
 from jalign.models.config import ModelConfig
+from jalign.models.kv_cache import KVCache
 from jalign.models.sharding import AXES, DEFAULT_RULES, state_shardings
 
 
@@ -34,43 +34,6 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> n
   else:
     value = jnp.zeros(shape, jnp.float32)
   return nnx.Param(value.astype(dtype), **{AXES: axes})
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-  """Preallocated keys/values for decoding, one [B, K, S, H] buffer per layer (so a decode step updates each in
-  place; a stacked [L, ...] buffer would be rewritten whole every token). Heads before slots: the layout attention
-  reads, so a decode step does not transpose the whole cache (XLA would copy it every token otherwise).
-  `segment_BxS` is 0 for empty or padding slots; `index` is the next slot to write: a scalar shared by the batch
-  (left-padded prompts keep rows in step), or one per row [B] (`per_row`: rows at different lengths, each writing
-  at its own slot, as slots of a continuous batch do). A per-row cache is packed: row b's tokens fill slots
-  [0, index_b) with no padding between them, so decoding reads each row by its length alone (segments unread)."""
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
-  segment_BxS: jax.Array
-  index: jax.Array
-
-  @classmethod
-  def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    dtype = dtype or cfg.dtype
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return cls(zeros(), zeros(), jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
-
-  def per_row(self) -> "KVCache":
-    """The same cache with one write index per row (each at the shared one)."""
-    index = jnp.broadcast_to(self.index, self.segment_BxS.shape[:1]) if self.index.ndim == 0 else self.index
-    return KVCache(self.k, self.v, self.segment_BxS, index.astype(jnp.int32))
-
-  def repeat(self, n: int) -> "KVCache":
-    """Each row's cache n times over (consecutive rows): one prompt's prefix shared by n samples."""
-    rep = lambda a: jnp.repeat(a, n, axis=0)  # noqa: E731
-    index = self.index if self.index.ndim == 0 else rep(self.index)
-    return KVCache(tuple(map(rep, self.k)), tuple(map(rep, self.v)), rep(self.segment_BxS), index)
-
-  def num_bytes(self) -> int:
-    return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v)) + self.segment_BxS.size * 4
 
 
 class Layers(nnx.Module):
@@ -154,14 +117,15 @@ def _write(buffer, update, index, axis: int):
 
 def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
                   q_segment_BxT, q_index, kv: tuple | None, cache_index, dropout_key=None, route_ids_BxTxK=None, *,
-                  lora: lora_lib.LoraConfig | None = None):
+                  lora: lora_lib.LoraConfig | None = None, replay: bool = True):
   """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None: without one
   the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots (`chunked` for
   a prefill into a cache of `AUTO_CHUNKED_FROM` slots or more, unless `cfg.attention` is `xla`; one query over a
   per-row cache: `kernels.decode_attention`, by length, the Pallas kernel on TPU / GPU). Masks use
   slot indices (`q_index`: [T], or [B, T] with a per-row cache index) for causality and windows, as transformers
   does. `lora`: the adapters' settings when `lp` holds adapters; `dropout_key` turns on their dropout (training
-  only). MoE: `route_ids_BxTxK` replays those experts instead of the router's own choice. Returns the new x, the
+  only). MoE: `route_ids_BxTxK` (-1 = none) are choices recorded elsewhere, compared with the router's own and,
+  with `replay`, used instead of them (`models.moe.experts`). Returns the new x, the
   layer's updated (keys, values) or None, and its `Routing` (None for a dense model)."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
@@ -227,7 +191,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   routing = None
   if cfg.num_experts:
     routed, routing = moe_block.experts(cfg, h, lp, q_segment_BxT != 0, route_ids_BxTxK,
-                                        _activation(cfg.activation))
+                                        _activation(cfg.activation), replay=replay)
     out = routed if out is None else out + routed
   if cfg.post_norms:
     out = rms_norm(out, lp["post_ffw_norm"], cfg)
@@ -272,8 +236,8 @@ class Decoder(nnx.Module):
 
   def forward_routed(self, input_ids_BxT, attention_mask=None, *, positions=None, segment_ids=None,
                      cache: KVCache | None = None, layers: list[dict] | None = None,
-                     dropout_rng: jax.Array | None = None, route_ids: jax.Array | None = None
-                     ) -> tuple[jax.Array, KVCache | None, moe_block.Routing | None]:
+                     dropout_rng: jax.Array | None = None, route_ids: jax.Array | None = None,
+                     replay: bool = True) -> tuple[jax.Array, KVCache | None, moe_block.Routing | None]:
     """Hidden states after the final norm, [B, T, D], the updated cache, and an MoE model's `Routing` stacked over
     layers (None for a dense model).
 
@@ -284,7 +248,8 @@ class Decoder(nnx.Module):
     unrolled, each on its own cache buffer; `layers` (from `layer_list()`) saves re-slicing the stacked weights per
     call.
     Training: `dropout_rng` turns on LoRA dropout (when the model has adapters with dropout > 0).
-    Routing replay (MoE): `route_ids` [L, B, T, k] makes layer l send token (b, t) to experts route_ids[l, b, t].
+    Routing replay (MoE): `route_ids` [L, B, T, k] makes layer l send token (b, t) to experts route_ids[l, b, t]
+    (-1 = the router's own choice); `replay=False` only compares them with the router's own (`Routing`).
     """
     cfg = self.cfg
     lora = getattr(self.layers, "lora", None)
@@ -315,7 +280,8 @@ class Decoder(nnx.Module):
         kv = None if cache is None else (cache.k[i], cache.v[i], k_segment)
         x, kv, routing = decoder_layer(cfg, x, per_layer[i], int(windows_L[i]), jnp.asarray(inv_freq_LxH2[i]),
                                        positions_BxT, segment_ids_BxT, q_index, kv, cache_index,
-                                       route_ids_BxTxK=None if route_ids is None else route_ids[i], lora=lora)
+                                       route_ids_BxTxK=None if route_ids is None else route_ids[i], lora=lora,
+                                       replay=replay)
         routings.append(routing)
         if kv is not None:
           new_k.append(kv[0])
@@ -329,14 +295,14 @@ class Decoder(nnx.Module):
       keys_L = jax.random.split(dropout_rng, cfg.num_layers)
     # One window for every layer (all but Gemma 2/3) stays a Python int: kernels may build their masks from it.
     static_window = int(windows_L[0]) if len(set(windows_L.tolist())) == 1 else None
-    layer = _remat(functools.partial(decoder_layer, lora=lora), cfg.remat,
+    layer = _remat(functools.partial(decoder_layer, lora=lora, replay=replay), cfg.remat,
                    (0,) if static_window is None else (0, 3))
 
     def body(x, xs):
-      lp, window, inv_freq, key, replay = xs
+      lp, window, inv_freq, key, recorded = xs
       window = window if static_window is None else static_window
       x, _, routing = layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index, None,
-                            cache_index, key, replay)
+                            cache_index, key, recorded)
       return x, routing
 
     xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2), keys_L, route_ids)
@@ -350,31 +316,42 @@ class Decoder(nnx.Module):
       routing = moe_block.stack(routings)
     return rms_norm(x, self.final_norm[...], cfg), None, routing
 
-  def response_hidden(self, tokens_NxT, *, segment_ids, positions, response_len: int, group_size: int = 0,
-                      dropout_rng: jax.Array | None = None) -> jax.Array:
+  def response_hidden(self, tokens_NxT, **kw) -> jax.Array:
+    """`response_routed`'s hidden states alone."""
+    return self.response_routed(tokens_NxT, **kw)[0]
+
+  def response_routed(self, tokens_NxT, *, segment_ids, positions, response_len: int, group_size: int = 0,
+                      dropout_rng: jax.Array | None = None, routes_NxTxLxK: jax.Array | None = None,
+                      replay: bool = True) -> tuple[jax.Array, moe_block.Routing | None]:
     """Hidden states [N, R, D] that predict each row's last R = `response_len` columns (the prompt's last one,
-    then the response's own). Rows are a prompt left-padded to T - R columns, then a response right-padded to R.
+    then the response's own), and an MoE model's `Routing`. Rows are a prompt left-padded to T - R columns, then a
+    response right-padded to R. `routes_NxTxLxK`: the experts the sampler used for each token (-1 = none), compared
+    with the router's own and, with `replay`, used (`forward_routed`).
 
     `group_size` > 1: rows i*g .. i*g+g-1 share one prompt (a GRPO group's samples, a DPO pair's chosen and
     rejected). The prompt then runs once per group and its keys/values are repeated under the group's responses,
     which run on top of them as on a decoding cache: the same values (up to rounding) for a fraction of the work
-    when prompts are long next to responses. Not with dropout or remat (the cached path runs neither): those
-    take the whole rows."""
+    when prompts are long next to responses (its routing counted once per group). Not with dropout or remat (the
+    cached path runs neither): those take the whole rows."""
     r = response_len
     p = tokens_NxT.shape[1] - r
+    routes = None if routes_NxTxLxK is None else jnp.moveaxis(routes_NxTxLxK, 2, 0)  # [L, N, T, k]
     if group_size <= 1 or dropout_rng is not None or self.cfg.remat != "none":
-      hidden, _ = self.forward(tokens_NxT, segment_ids=segment_ids, positions=positions, dropout_rng=dropout_rng)
-      return hidden[:, p - 1:p + r - 1]
+      hidden, _, routing = self.forward_routed(tokens_NxT, segment_ids=segment_ids, positions=positions,
+                                               dropout_rng=dropout_rng, route_ids=routes, replay=replay)
+      return hidden[:, p - 1:p + r - 1], routing
     g = group_size
     cache = KVCache.init(self.cfg, tokens_NxT.shape[0] // g, p + r - 1)
-    prompt_hidden, cache = self.forward(tokens_NxT[::g, :p], segment_ids=segment_ids[::g, :p],
-                                        positions=positions[::g, :p], cache=cache)
+    prompt_hidden, cache, routing = self.forward_routed(
+        tokens_NxT[::g, :p], segment_ids=segment_ids[::g, :p], positions=positions[::g, :p], cache=cache,
+        route_ids=None if routes is None else routes[:, ::g, :p], replay=replay)
     first = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)
     if r == 1:
-      return first
-    rest, _ = self.forward(tokens_NxT[:, p:p + r - 1], segment_ids=segment_ids[:, p:p + r - 1],
-                           positions=positions[:, p:p + r - 1], cache=cache.repeat(g))
-    return jnp.concatenate([first, rest], axis=1)
+      return first, routing
+    rest, _, rest_routing = self.forward_routed(
+        tokens_NxT[:, p:p + r - 1], segment_ids=segment_ids[:, p:p + r - 1], positions=positions[:, p:p + r - 1],
+        cache=cache.repeat(g), route_ids=None if routes is None else routes[:, :, p:p + r - 1], replay=replay)
+    return jnp.concatenate([first, rest], axis=1), moe_block.merge(routing, rest_routing, g)
 
   def logits(self, hidden_BxTxD) -> jax.Array:
     logits = _dense(hidden_BxTxD, self.unembed().astype(hidden_BxTxD.dtype)).astype(jnp.float32)

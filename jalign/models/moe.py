@@ -22,42 +22,67 @@ class Routing:
   probs_E: jax.Array        # router probabilities summed over tokens, per expert
   z_sum: jax.Array          # sum of logsumexp(router logits)^2 (ST-MoE's z-loss, times the tokens)
   entropy_sum: jax.Array    # sum of the router distribution's entropy
-  mismatch_sum: jax.Array   # replayed choices the router would not have made itself (0 without replay)
+  mismatch_sum: jax.Array   # recorded choices the router would not have made itself
+  recorded: jax.Array       # real tokens with recorded choices (`route_ids` >= 0)
   tokens: jax.Array         # real tokens
 
 
-def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, replay_BxTxK, activation: Callable):
+def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, activation: Callable, *,
+            replay: bool = True):
   """The routed experts' share of the MLP (`cfg`: the decoder's ModelConfig), each token's top-k experts weighted
   by their gate values, and the layer's `Routing`. The router runs in fp32 whatever the compute dtype, so which
-  experts a token picks does not hinge on bf16 rounding. `replay_BxTxK`: use those experts (their gate values still
-  the router's own probabilities, so the router trains through them)."""
+  experts a token picks does not hinge on bf16 rounding.
+
+  `recorded_BxTxK`: choices made elsewhere (the sampler's; -1 on a token = none recorded), compared with the
+  router's own (`Routing.mismatch_sum`) and, with `replay`, used instead of them: their gate values are still the
+  router's own probabilities at those experts, so the router trains through them."""
   B, T, D = h_BxTxD.shape
   dt = h_BxTxD.dtype
   k = cfg.experts_per_token
   h_NxD = h_BxTxD.reshape(B * T, D)
   logits_NxE = h_NxD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
-  weights_NxK, ids_NxK = moe.route(logits_NxE, k, normalize=cfg.norm_topk_prob)
-  own_NxK = ids_NxK
-  if replay_BxTxK is not None:
-    ids_NxK = replay_BxTxK.reshape(B * T, k).astype(jnp.int32)
-    weights_NxK = moe.replayed_weights(logits_NxE, ids_NxK, normalize=cfg.norm_topk_prob)
+  weights_NxK, own_NxK = moe.route(logits_NxE, k, normalize=cfg.norm_topk_prob)
+  ids_NxK = own_NxK
+  real_N = real_BxT.reshape(-1).astype(jnp.float32)
+  recorded_N = jnp.zeros_like(real_N)
+  missed_N = jnp.zeros_like(real_N)
+  if recorded_BxTxK is not None:
+    rec_NxK = recorded_BxTxK.reshape(B * T, k).astype(jnp.int32)
+    has_N = rec_NxK[:, 0] >= 0
+    recorded_N = real_N * has_N
+    missed_N = k - jnp.sum(jnp.any(own_NxK[:, :, None] == rec_NxK[:, None, :], axis=1), axis=-1)
+    missed_N = jnp.where(has_N, missed_N, 0).astype(jnp.float32)
+    if replay:
+      rec_NxK = jnp.where(has_N[:, None], rec_NxK, own_NxK)
+      weights_NxK = jnp.where(has_N[:, None], moe.replayed_weights(logits_NxE, rec_NxK, normalize=cfg.norm_topk_prob),
+                              weights_NxK)
+      ids_NxK = rec_NxK
   out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
                         lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), activation,
                         impl=cfg.moe_impl)
-  real_N = real_BxT.reshape(-1).astype(jnp.float32)
   probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
   lse_N = jax.nn.logsumexp(logits_NxE, axis=-1)
   entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)
   chosen_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, cfg.num_experts, dtype=jnp.float32), axis=1)
-  missed_N = k - jnp.sum(jnp.any(own_NxK[:, :, None] == ids_NxK[:, None, :], axis=1), axis=-1)
   routing = Routing(ids_NxK.reshape(B, T, k), real_N @ chosen_NxE, real_N @ probs_NxE, real_N @ lse_N ** 2,
-                    real_N @ entropy_N, real_N @ missed_N.astype(jnp.float32), jnp.sum(real_N))
+                    real_N @ entropy_N, real_N @ missed_N, jnp.sum(recorded_N), jnp.sum(real_N))
   return out.reshape(B, T, D), routing
 
 
 def stack(routings: list):
   """Per-layer `Routing`s as one, stacked [L, ...] (None for a dense model)."""
   return None if routings[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *routings)
+
+
+def merge(prompts, responses, group_size: int):
+  """One `Routing` of a grouped forward's two parts (`Decoder.response_routed`): the prompts' (one row per group)
+  and the responses' on top of them; the sums added, the ids laid out per row (prompt ids repeated)."""
+  if prompts is None:
+    return None
+  ids = jnp.concatenate([jnp.repeat(prompts.ids_BxTxK, group_size, axis=1), responses.ids_BxTxK], axis=2)
+  sums = jax.tree.map(jnp.add, dataclasses.replace(prompts, ids_BxTxK=None),
+                      dataclasses.replace(responses, ids_BxTxK=None))
+  return dataclasses.replace(sums, ids_BxTxK=ids)
 
 
 def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[str, Any]:

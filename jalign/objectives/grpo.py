@@ -110,11 +110,11 @@ def response_logprobs(graphdef, params, batch, temperature: float,
                       logprobs: kernels.LogprobOptions = kernels.LogprobOptions(), group_size: int = 0):
   """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`. `group_size` > 1: rows
   i*g .. i*g+g-1 share one prompt (as sampled: each prompt's samples in a row), which then runs through the model
-  once per group (`Decoder.response_hidden`)."""
+  once per group (`Decoder.response_hidden`). A batch with `routes` (routing replay) routes by them."""
   lm = nnx.merge(graphdef, params)
   hidden = lm.response_hidden(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
                               response_len=batch.response.shape[1], group_size=group_size,
-                              dropout_rng=batch.dropout_rng)
+                              dropout_rng=batch.dropout_rng, routes_NxTxLxK=batch.routes)
   logp, entropy, _ = kernels.token_logprobs(hidden, lm.unembed(), batch.response,
                                             temperature=temperature, softcap=lm.cfg.final_softcap,
                                             **logprobs.kwargs())
@@ -129,7 +129,8 @@ def kept_logprobs(graphdef, params, batch, *, temperature: float, top_k: int = 0
   TRL#6789). Row by row: a row's [R, V] logits are the largest array."""
   lm = nnx.merge(graphdef, params)
   hidden = lm.response_hidden(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
-                              response_len=batch.response.shape[1], group_size=group_size)
+                              response_len=batch.response.shape[1], group_size=group_size,
+                              routes_NxTxLxK=batch.routes)
 
   def row(args):
     hidden_RxD, tokens_R = args
@@ -137,6 +138,17 @@ def kept_logprobs(graphdef, params, batch, *, temperature: float, top_k: int = 0
                            min_p=min_p)
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens_R[:, None], -1)[:, 0]
   return jax.lax.map(row, (hidden, batch.response))
+
+
+def routing_mismatch(graphdef, params, batch, routes_NxTxLxK, *, replay: bool, group_size: int = 0):
+  """(recorded expert choices the policy's router would not make, recorded choices) over the real tokens of `batch`
+  and all layers: the sampler's experts `routes_NxTxLxK` against the router's own, on the hidden states of a forward
+  that routes by them (`replay`) or by its own choices."""
+  lm = nnx.merge(graphdef, params)
+  _, routing = lm.response_routed(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
+                                  response_len=batch.response.shape[1], group_size=group_size,
+                                  routes_NxTxLxK=routes_NxTxLxK, replay=replay)
+  return jnp.sum(routing.mismatch_sum), jnp.sum(routing.recorded) * lm.cfg.experts_per_token
 
 
 def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):

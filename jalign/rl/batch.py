@@ -34,7 +34,9 @@ class RolloutBatch:
   - `kept_logp`: the policy's log-probs renormalised over the tokens the sampler's filters kept.
   - `ref_logp`: the reference model's.
   - `returns`, `old_values`: the critic's targets and its values before the update (GAE).
-  - `dropout_rng`: set by the train step for each micro-batch when LoRA dropout is on."""
+  - `dropout_rng`: set by the train step for each micro-batch when LoRA dropout is on.
+  - `routes` [N, P+R, L, k] int16 (routing replay, MoE): the experts the sampler used for each token in each layer
+    (-1 = none: padding, the response's last token); the policy's forwards route by them."""
   tokens: np.ndarray | jax.Array
   segment_ids: np.ndarray | jax.Array
   positions: np.ndarray | jax.Array
@@ -48,6 +50,7 @@ class RolloutBatch:
   returns: np.ndarray | jax.Array | None = None
   old_values: np.ndarray | jax.Array | None = None
   dropout_rng: jax.Array | None = None
+  routes: np.ndarray | jax.Array | None = None
 
   @classmethod
   def of_rows(cls, prompt_ids_NxP: np.ndarray, prompt_mask_NxP: np.ndarray, response_NxR: np.ndarray,
@@ -61,14 +64,18 @@ class RolloutBatch:
                response=response_NxR.astype(np.int32), response_mask=response_mask)
 
   @classmethod
-  def of_groups(cls, groups, pad_id: int) -> "RolloutBatch":
+  def of_groups(cls, groups, pad_id: int, *, routes: bool = False) -> "RolloutBatch":
     """The model rows of sampled `rl.groups.Groups` (each prompt repeated for its group); multi-turn, the loss mask
-    keeps the observations out of the loss."""
+    keeps the observations out of the loss. `routes`: with the `routes` column (the groups' recorded experts)."""
     ids, mask = left_pad(groups.prompts, pad_id)
     n = groups.size
     batch = cls.of_rows(np.repeat(ids, n, 0), np.repeat(mask, n, 0), groups.response, groups.lengths)
     if groups.loss_mask is not None:
       batch = batch.replace(response_mask=groups.loss_mask.astype(np.int32))
+    if routes:  # the prompts' routes right-aligned like the prompts, then the responses'
+      prompt = pad_routes([groups.prompt_routes], left=True, width=ids.shape[1])[:, -ids.shape[1]:]
+      response = pad_routes([groups.response_routes], left=False, width=groups.response.shape[1])
+      batch = batch.replace(routes=np.concatenate([prompt, response[:, :groups.response.shape[1]]], 1))
     return batch
 
   def replace(self, **columns) -> "RolloutBatch":
@@ -85,3 +92,11 @@ class RolloutBatch:
   def slice(self, start: int, stop: int) -> "RolloutBatch":
     """Rows start .. stop-1 of every column."""
     return jax.tree.map(lambda v: v[start:stop], self)
+
+
+def pad_routes(parts: list[np.ndarray], *, left: bool, width: int = 0) -> np.ndarray:
+  """Route arrays [N_i, T_i, L, k] as one [sum N_i, max(T_i, width), L, k], padded with -1 on the left (prompts) or
+  the right (responses)."""
+  width = max([width] + [p.shape[1] for p in parts])
+  pad = lambda p: ((0, 0), (width - p.shape[1], 0) if left else (0, width - p.shape[1]), (0, 0), (0, 0))  # noqa
+  return np.concatenate([np.pad(p, pad(p), constant_values=-1) for p in parts])

@@ -19,7 +19,7 @@ FORMATS = ("parquet", "arrayrecord")
 _PART = re.compile(r"part-(\d{6})\.(parquet|arrayrecord)$")
 FIELDS = ("prompt_index", "group_id", "sample", "prompt_ids", "response_ids", "behaviour_logprobs", "reward",
           "ground_truth", "finish_reason", "prompt", "completion", "policy", "teacher_logprobs", "teacher",
-          "teacher_topk_ids", "teacher_topk_logprobs")
+          "teacher_topk_ids", "teacher_topk_logprobs", "routes", "route_layers")
 
 
 class BufferWriter:
@@ -63,7 +63,10 @@ def _schema():
                     ("teacher_logprobs", pa.list_(pa.float32())), ("teacher", pa.string()),
                     # with rollout.teacher_top_k: per response token, its k likeliest tokens and their log-probs
                     ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
-                    ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())))])
+                    ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+                    # an MoE policy's: per prompt and response token, the experts it used in each of route_layers
+                    # layers (layer-major, k per layer; -1 = none: the response's last token is never fed back)
+                    ("routes", pa.list_(pa.list_(pa.int16()))), ("route_layers", pa.int32())])
 
 
 def part_files(directory: str) -> list[str]:

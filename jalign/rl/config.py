@@ -60,6 +60,10 @@ class GrpoSection:
   # across when a rollout is submitted. With async_staleness the update and the generation then run side by side
   # rather than interleaved on shared devices. () = sampling on the training mesh.
   rollout_mesh: tuple[int, ...] = ()
+  # MoE: the update routes each token to the experts the sampler used for it (R3, Ma et al. 2025), recorded per
+  # layer as it sampled (a replay buffer's: as its rollout did), so the trainer's experts are the sampler's; the
+  # router still trains through their gate values. rollout/routing_mismatch reports how often they differ, either way.
+  routing_replay: bool = False
 
   @property
   def updates_per_step(self) -> int:
@@ -126,6 +130,9 @@ def check(cfg, dp: int) -> None:
     raise ConfigError(f"config.grpo.max_gen_batches={g.max_gen_batches}: must be >= 1, and > 1 (refilling) only "
                       "with grpo.dynamic_sampling=True")
   if env.name:
+    if g.routing_replay:
+      raise ConfigError("config.grpo.routing_replay with env.name: the experts of a multi-turn episode's tokens are "
+                        "not recorded yet (each turn re-reads the conversation); set routing_replay=False")
     if g.buffer:
       raise ConfigError("config.env.name: environments run online; a replay buffer (grpo.buffer) holds no episodes")
     if a.estimator == "remax":

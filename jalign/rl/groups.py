@@ -11,6 +11,7 @@ import numpy as np
 from jalign.core.errors import DataError
 from jalign.data.prompts import Prompt
 from jalign.rl import buffer as buffer_lib
+from jalign.rl.batch import pad_routes
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -30,6 +31,10 @@ class Groups:
   loss_mask: np.ndarray | None = None   # [N, R] multi-turn: 1 on the model's tokens (observations excluded)
   counts: np.ndarray | None = None      # [N, 4] multi-turn: turns, tool calls, tool errors, truncated
   token_rewards: np.ndarray | None = None  # [N, R] multi-turn: each turn's reward on its last token
+  # MoE: the experts the sampler used, [N, P, L, k] over each row's prompt (right-aligned) and [N, R, L, k] over its
+  # response (`rl.rollout.Samples`; a buffer's as its rollout recorded them)
+  prompt_routes: np.ndarray | None = None
+  response_routes: np.ndarray | None = None
 
   def shown(self, tok, k: int) -> list[dict]:
     """The first completion of each of the first `k` groups, decoded, with its reward (the run's samples log)."""
@@ -68,6 +73,8 @@ class Groups:
       if getattr(batches[0], name) is None:
         return None
       parts = [getattr(b, name)[rows(b, i)] for b, i in picked]
+      if name.endswith("routes"):
+        return pad_routes(parts, left=name == "prompt_routes")
       if parts[0].ndim == 2 and name != "counts":
         parts = [np.pad(p, ((0, 0), (0, width - p.shape[1]))) for p in parts]
       return np.concatenate(parts)
@@ -100,6 +107,7 @@ class OfflineBuffer:
     self.groups = [sorted(v, key=lambda r: r["sample"]) for _, v in sorted(groups.items())]
     self.max_new, self.directory = max_new, directory
     self._has_teacher = all(r.get("teacher_logprobs") is not None for r in records)  # read once, not per batch
+    self._has_routes = bool(records) and all(r.get("routes") is not None for r in records)
     for members in self.groups:
       if len(members) != num_samples:
         raise DataError(f"{directory}: group {members[0]['group_id']} has {len(members)} completions, "
@@ -117,9 +125,27 @@ class OfflineBuffer:
     """Every record carries a teacher's log-probs of its response (written with `rollout.teacher`)."""
     return self._has_teacher
 
-  def batch(self, indices, pad_id: int):
-    """(prompts, response [N, R], lengths [N], scores [N], behaviour log-probs [N, R], the teacher's log-probs
-    [N, R] or None) of the groups `indices`."""
+  def has_routes(self) -> bool:
+    """Every record carries the experts its rollout used per token (an MoE policy's buffer)."""
+    return self._has_routes
+
+  def check_routes(self, model_cfg) -> None:
+    """Routing replay from this buffer: its records carry experts for `model_cfg`'s layers and top-k."""
+    want = (model_cfg.num_layers, model_cfg.num_layers * model_cfg.experts_per_token)
+    if not self.has_routes():
+      raise DataError(f"{self.directory}: grpo.routing_replay replays the experts each token used in the rollout; "
+                      "these records have none (`routes`: the rollout task writes them for an MoE policy); set "
+                      "routing_replay=False or write the buffer with the MoE policy")
+    first = self.groups[0][0]
+    got = (int(first["route_layers"]), len(first["routes"][0]))
+    if got != want:
+      raise DataError(f"{self.directory}: group {first['group_id']}'s routes cover {got[0]} layers x "
+                      f"{got[1] // max(got[0], 1)} experts per token; the policy has {want[0]} layers x "
+                      f"{model_cfg.experts_per_token}: written by another model")
+
+  def batch(self, indices, pad_id: int) -> Groups:
+    """The groups `indices` (their behaviour log-probs; a teacher's log-probs and the recorded experts when every
+    record has them)."""
     members = [m for i in indices for m in self.groups[i]]
     prompts = [Prompt(int(self.groups[i][0]["prompt_index"]), list(self.groups[i][0]["prompt_ids"]),
                       self.groups[i][0]["prompt"], self.groups[i][0]["ground_truth"],
@@ -135,7 +161,15 @@ class OfflineBuffer:
       if teacher is not None:
         teacher[row, :k] = m["teacher_logprobs"]
     scores = np.asarray([m["reward"] for m in members], np.float32)
-    return prompts, response, lengths, scores, behaviour, teacher
+    routes = {}
+    if self.has_routes():
+      whole = [np.asarray(m["routes"], np.int16).reshape(len(m["routes"]), m["route_layers"], -1) for m in members]
+      routes = dict(prompt_routes=pad_routes([w[None, :len(m["prompt_ids"])] for w, m in zip(whole, members)],
+                                             left=True),
+                    response_routes=pad_routes([w[None, len(m["prompt_ids"]):] for w, m in zip(whole, members)],
+                                               left=False, width=self.max_new))
+    return Groups(prompts=prompts, size=len(members) // len(indices), response=response, lengths=lengths,
+                  scores=scores, behaviour=behaviour, teacher_logp=teacher, **routes)
 
 
 def minibatches(key: jax.Array, rows: int, n: int, group_size: int = 0) -> list[np.ndarray]:

@@ -50,13 +50,16 @@ class LogprobPlan:
              "ref_logp" if self.reference else "", "advantages"]
     return tuple(dict.fromkeys(n for n in names if n)) + (("returns", "old_values") if self.critic else ())
 
-  def abstract_batch(self, rows: int, group_size: int, prompt_length: int, response_length: int) -> RolloutBatch:
+  def abstract_batch(self, rows: int, group_size: int, prompt_length: int, response_length: int,
+                     route_shape: tuple[int, int] | None = None) -> RolloutBatch:
     """Shapes and dtypes of an update batch of `rows` rows: prompts of `prompt_length` tokens (left-padded to the
     sampler's bucket, as `RolloutBatch.of_groups` lays them out) and responses of `response_length`, with
-    `columns`."""
+    `columns`; with `route_shape` (layers, experts per token), the routes routing replay reads."""
     prompts = [Prompt(i, [0] * prompt_length, "", None, "") for i in range(rows // group_size)]
+    routes = lambda width: None if route_shape is None else np.zeros((rows, width, *route_shape), np.int16)  # noqa
     groups = Groups(prompts=prompts, size=group_size, response=np.zeros((rows, response_length), np.int32),
-                    lengths=np.full(rows, response_length), scores=np.zeros(rows, np.float32))
-    batch = RolloutBatch.of_groups(groups, 0).replace(
+                    lengths=np.full(rows, response_length), scores=np.zeros(rows, np.float32),
+                    prompt_routes=routes(prompt_length), response_routes=routes(response_length))
+    batch = RolloutBatch.of_groups(groups, 0, routes=route_shape is not None).replace(
         **{k: np.zeros((rows, response_length), np.float32) for k in self.columns()})
     return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), batch)

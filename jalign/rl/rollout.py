@@ -14,6 +14,7 @@ from jalign.core.sections import bounded
 from jalign.data.prompts import Prompt, left_pad
 from jalign.models.sharding import to_host, without_fsdp
 from jalign.rewards.verifiable import Batch, RewardSpec
+from jalign.rl.batch import pad_routes
 from jalign.tokenizers.tokenizer import Tokenizer
 
 
@@ -53,6 +54,10 @@ class Samples:
   texts: list[str]
   logprobs: np.ndarray        # [N, R] the sampling distribution's log-probs of the tokens
   finish: np.ndarray          # [N] 1 = stopped on a stop token, 0 = ran out of max_new_tokens
+  # MoE (`record_routes`): the experts each token went to, [N, P, L, k] over the prompt (left-padded like
+  # `prompt_arrays`) and [N, R, L, k] over the response; int16, -1 = none (`sampling.GenerateOutput.routes`)
+  prompt_routes: np.ndarray | None = None
+  response_routes: np.ndarray | None = None
 
   def owners(self) -> list[Prompt]:
     return [self.prompts[i // self.n] for i in range(len(self.tokens))]
@@ -67,24 +72,33 @@ class Samples:
 
 
 def sample(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSection, *, mesh=None,
-           rules=None) -> Samples:
-  """`spec.num_samples` completions of each prompt, decoded. `mesh`/`rules`: the sampling layout."""
+           rules=None, record_routes: bool = False) -> Samples:
+  """`spec.num_samples` completions of each prompt, decoded. `mesh`/`rules`: the sampling layout. `record_routes`
+  (an MoE model): the experts every token went to, for routing replay."""
   ids, mask = left_pad(prompts, tok.pad_id)
   stop = tuple(t for t in (tok.eos_id,) if t is not None)
   out = sampling.generate(lm, ids, mask, rng, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, stop_token_ids=stop,
                           num_samples=spec.num_samples, pad_id=tok.pad_id, mesh=mesh, rules=rules,
-                          slots=spec.slots)
+                          slots=spec.slots, record_routes=record_routes)
   tokens, lengths, logprobs, finish = to_host((out.tokens, out.lengths, out.logprobs, out.finish_reason))
   texts = [tok.decode(tokens[i, :lengths[i]]) for i in range(len(tokens))]
-  return Samples(prompts, spec.num_samples, tokens, lengths, texts, logprobs, finish)
+  routes = [None, None]
+  if record_routes:  # int16: expert ids fit, at half the host memory
+    whole = to_host(out.routes).astype(np.int16)
+    routes = [whole[:, :ids.shape[1]], whole[:, ids.shape[1]:]]
+  return Samples(prompts, spec.num_samples, tokens, lengths, texts, logprobs, finish, *routes)
 
 
 def concat(parts: list[Samples]) -> Samples:
   """One Samples of several batches' (the same n)."""
   cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+  routes = (None, None)
+  if parts[0].prompt_routes is not None:
+    routes = (pad_routes([p.prompt_routes for p in parts], left=True), cat("response_routes"))
   return Samples([q for p in parts for q in p.prompts], parts[0].n, cat("tokens"), cat("lengths"),
-                 [t for p in parts for t in p.texts], cat("logprobs"), cat("finish"))
+                 [t for p in parts for t in p.texts], cat("logprobs"), cat("finish"), *routes)
+
 
 
 def score(samples: Samples, rewards: RewardSpec, *, pad_id: int,
@@ -103,14 +117,20 @@ def score(samples: Samples, rewards: RewardSpec, *, pad_id: int,
 
 def rollout_batch(lm, tok: Tokenizer, prompts: list[Prompt], rng, spec: SamplingSection, rewards: RewardSpec,
                   policy_id: str, *, mesh=None, rules=None, model_reward=None) -> tuple[list[dict], dict[str, float]]:
-  """Replay-buffer records (one per completion, groups consecutive) and batch statistics."""
-  s = sample(lm, tok, prompts, rng, spec, mesh=mesh, rules=rules)
+  """Replay-buffer records (one per completion, groups consecutive) and batch statistics; an MoE policy's with the
+  experts each token used (`routes`, for routing replay)."""
+  s = sample(lm, tok, prompts, rng, spec, mesh=mesh, rules=rules, record_routes=bool(lm.cfg.num_experts))
   total, _ = score(s, rewards, pad_id=tok.pad_id, model_reward=model_reward)
   records = [dict(prompt_index=p.index, group_id=p.index, sample=i % s.n, prompt_ids=list(map(int, p.ids)),
                   response_ids=s.tokens[i, :s.lengths[i]].astype(int).tolist(),
                   behaviour_logprobs=s.logprobs[i, :s.lengths[i]].astype(float).tolist(), reward=float(total[i]),
                   ground_truth=p.ground_truth, finish_reason=int(s.finish[i]), prompt=p.text, completion=s.texts[i],
                   policy=policy_id) for i, p in enumerate(s.owners())]
+  if s.prompt_routes is not None:
+    for i, (r, p) in enumerate(zip(records, s.owners())):
+      whole = np.concatenate([s.prompt_routes[i, s.prompt_routes.shape[1] - len(p.ids):],
+                              s.response_routes[i, :s.lengths[i]]])
+      r.update(routes=whole.reshape(len(whole), -1).tolist(), route_layers=whole.shape[1])
   stats = {"rollout/reward_mean": float(np.mean(total)), "rollout/response_length_mean": float(np.mean(s.lengths)),
            "rollout/new_tokens": float(np.sum(s.lengths)), "rollout/stopped_frac": float(np.mean(s.finish))}
   return records, stats

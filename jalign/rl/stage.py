@@ -37,14 +37,18 @@ from jalign.rl.rollout import SamplingSection
 
 class RolloutStage:
   """Prompts from `grpo.prompts` (online) or groups from `grpo.buffer` (offline), as `Groups`; multi-turn episodes of
-  environment `env.name`; with `remax`, each prompt's greedy response scored as its baseline."""
+  environment `env.name`; with `remax`, each prompt's greedy response scored as its baseline. `model_cfg`: the
+  policy's."""
 
-  def __init__(self, g: GrpoSection, s: SamplingSection, env: EnvSection, tok, rewards: RewardSpec, *, remax: bool, fields,
-               max_prompt: int, context: int, mesh=None, rules=None, model_reward=None, check_records: int = 0):
+  def __init__(self, g: GrpoSection, s: SamplingSection, env: EnvSection, tok, rewards: RewardSpec, *, remax: bool,
+               fields, max_prompt: int, model_cfg, mesh=None, rules=None, model_reward=None, check_records: int = 0):
     self.spec, self.tok, self.rewards, self.remax = s, tok, rewards, remax
     self.mesh, self.rules, self.model_reward = mesh, rules, model_reward
     self.encode = functools.partial(encode_prompt, tok=tok, max_length=max_prompt)
     self.offline = OfflineBuffer(g.buffer, s.num_samples, s.max_new_tokens) if g.buffer else None
+    if self.offline is not None and g.routing_replay:
+      self.offline.check_routes(model_cfg)
+    context = model_cfg.max_position_embeddings
     self.source = open_source(g.prompts, fields) if self.offline is None else self.offline
     if self.offline is None and not env.name:  # every prompt a step may draw fits, or the run ends here
       tally = check_prompts(self.source, self.encode, limit=check_records)
@@ -68,13 +72,13 @@ class RolloutStage:
     indices = [int(i) for i in indices]
     n, pad = self.spec.num_samples, self.tok.pad_id
     if self.offline is not None:
-      prompts, response, lengths, scores, behaviour, teacher = self.offline.batch(indices, pad)
-      return Groups(prompts=prompts, size=n, response=response, lengths=lengths, scores=scores,
-                    behaviour=behaviour, teacher_logp=teacher)
+      return self.offline.batch(indices, pad)
     if self.make_env is not None:
       return self._episodes(lm, indices, key)
     prompts = [self.encode(self.source[i], index=i, where=self.source.where(i)) for i in indices]
-    sampled = rollout.sample(lm, self.tok, prompts, key, self.spec, mesh=self.mesh, rules=self.rules)
+    # An MoE policy's experts per token: replayed by the update (grpo.routing_replay) or compared with its own
+    sampled = rollout.sample(lm, self.tok, prompts, key, self.spec, mesh=self.mesh, rules=self.rules,
+                             record_routes=bool(lm.cfg.num_experts))
     scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=pad, model_reward=self.model_reward)
     baselines = None
     if self.remax:  # verl: the greedy response's reward, generated for the same prompts
@@ -82,7 +86,8 @@ class RolloutStage:
       greedy = rollout.sample(lm, self.tok, prompts, key, greedy_spec, mesh=self.mesh, rules=self.rules)
       baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=pad, model_reward=self.model_reward)[0], n)
     return Groups(prompts=prompts, size=n, response=sampled.tokens, lengths=sampled.lengths, scores=scores,
-                  rm_scores=rm_scores, baselines=baselines, sampler_logp=sampled.logprobs)
+                  rm_scores=rm_scores, baselines=baselines, sampler_logp=sampled.logprobs,
+                  prompt_routes=sampled.prompt_routes, response_routes=sampled.response_routes)
 
   def _episodes(self, lm, indices: list[int], key) -> Groups:
     """Multi-turn: `n` episodes of the environment per prompt record; the response is everything after the prompt,

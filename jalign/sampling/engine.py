@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jalign.kernels.decode import PAGE, decode_impl
-from jalign.models.decoder import KVCache
+from jalign.models.kv_cache import KVCache
 from jalign.sampling.filters import row_keys
 from jalign.sampling.settings import GenerateOutput, Settings, prompt_bucket
 
@@ -46,6 +46,10 @@ class Slots:
   logprobs_SxR: jax.Array
   reads: jax.Array        # [3] float32: decode steps; cache positions read by the dense form (slots x bound) and
                           # by a kernel that reads each slot up to its length (idle slots stand at length 1)
+  # `Settings.routes`: the experts of the request's prompt (right-aligned to the longest bucket P, -1 before) and of
+  # its response tokens as they are fed back
+  prompt_routes_SxPxLxK: jax.Array | None = None
+  routes_SxRxLxK: jax.Array | None = None
 
 
 def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, *, slots: int, chunk: int,
@@ -61,13 +65,17 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   ragged = decode_impl(lm.cfg.decode_attention, None, lm.cfg.head_dim, PAGE) != "xla"
   max_len = int(buckets_B.max()) + s.max_new
   max_len = -(-max_len // PAGE) * PAGE if ragged else max_len
-  state = _init(lm.cfg, slots, max_len, s)
+  state = _init(lm.cfg, slots, max_len, int(buckets_B.max()), s)
   prefill, decode = _prefill_program(graphdef, s), _decode_program(graphdef, s)
 
   n = len(prompt_ids) * g
   out_tokens = np.full((n, s.max_new), s.pad_id, np.int32)
   out_logp = np.zeros((n, s.max_new), np.float32)
   out_len, out_stop = np.zeros(n, np.int32), np.zeros(n, np.int32)
+  p_in = prompt_ids.shape[1]
+  out_routes = None
+  if s.routes:  # [N, P + max_new, L, k], the prompt's columns as given
+    out_routes = np.full((n, p_in + s.max_new) + state.routes_SxRxLxK.shape[2:], -1, np.int32)
   queue = list(range(len(prompt_ids)))  # prompts not yet admitted
   free = list(range(slots))
   serving: dict[int, int] = {}  # slot -> request
@@ -105,18 +113,26 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
                                                      state.step_S[idx], state.stopped_S[idx]))
       out_tokens[rows], out_logp[rows] = tokens, logp
       out_len[rows], out_stop[rows] = steps, stopped
+      if out_routes is not None:
+        prompt, response = jax.device_get((state.prompt_routes_SxPxLxK[idx], state.routes_SxRxLxK[idx]))
+        width = min(p_in, prompt.shape[1])
+        out_routes[rows, p_in - width:p_in], out_routes[rows, p_in:] = prompt[:, prompt.shape[1] - width:], response
       free.extend(finished)
   if stats is not None:
     steps, bound, lengths = np.asarray(state.reads).tolist()
     stats.update(decode_steps=int(steps), read_bound=bound / max(steps, 1), read_lengths=lengths / max(steps, 1))
-  return GenerateOutput(jnp.asarray(out_tokens), jnp.asarray(out_logp), jnp.asarray(out_len), jnp.asarray(out_stop))
+  return GenerateOutput(jnp.asarray(out_tokens), jnp.asarray(out_logp), jnp.asarray(out_len), jnp.asarray(out_stop),
+                        None if out_routes is None else jnp.asarray(out_routes))
 
 
-def _init(cfg, slots: int, max_len: int, s: Settings) -> Slots:
+def _init(cfg, slots: int, max_len: int, max_prompt: int, s: Settings) -> Slots:
   zeros = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)  # noqa: E731
+  routes = lambda width: jnp.full((slots, width, cfg.num_layers, cfg.experts_per_token), -1,  # noqa: E731
+                                  jnp.int32) if s.routes else None
   return Slots(KVCache.init(cfg, slots, max_len, s.cache_dtype).per_row(), zeros(), zeros(), zeros(), zeros(),
                zeros(), zeros(bool), zeros(bool), jnp.full((slots, s.max_new), s.pad_id, jnp.int32),
-               jnp.zeros((slots, s.max_new), jnp.float32), jnp.zeros((3,), jnp.float32))
+               jnp.zeros((slots, s.max_new), jnp.float32), jnp.zeros((3,), jnp.float32), routes(max_prompt),
+               routes(s.max_new))
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,7 +146,7 @@ def _prefill_program(graphdef, s: Settings):
     lm = nnx.merge(graphdef, params)
     p = ids_MxP.shape[1]
     cache = KVCache.init(lm.cfg, ids_MxP.shape[0], p, s.cache_dtype)
-    hidden, cache = lm.forward(ids_MxP, mask_MxP, cache=cache)
+    hidden, cache, routing = lm.forward_routed(ids_MxP, mask_MxP, cache=cache)
     # Packed: each prompt's keys moved to slots 0..len-1 (its left padding rotated past the end), so decoding reads
     # a slot by its length alone.
     len_M = jnp.sum(mask_MxP, axis=1).astype(jnp.int32)
@@ -153,9 +169,22 @@ def _prefill_program(graphdef, s: Settings):
                  set_(state.step_S, jnp.ones_like(request_N)), set_(state.budget_S, budget_N),
                  set_(state.stopped_S, stopped), set_(state.running_S, ~stopped & (budget_N > 1)),
                  set_(state.tokens_SxR, first(s.pad_id, token)), set_(state.logprobs_SxR, first(0.0, logp)),
-                 state.reads)
+                 state.reads, *_prompt_routes(state, routing, mask_MxP, slot_N, s.num_samples))
 
   return prefill
+
+
+def _prompt_routes(state: Slots, routing, mask_MxP, slot_N, g: int):
+  """(prompt routes, response routes) of `state` with slots `slot_N` holding the prefilled prompts' experts
+  (right-aligned, -1 on padding) and no response's yet."""
+  if state.routes_SxRxLxK is None:
+    return None, None
+  ids = jnp.where(mask_MxP[None, :, :, None] > 0, routing.ids_BxTxK, -1)  # [L, M, p, k]
+  ids = jnp.repeat(jnp.moveaxis(ids, 0, 2), g, axis=0)  # [N, p, L, k]
+  width, p = state.prompt_routes_SxPxLxK.shape[1], ids.shape[1]
+  rows = jnp.full((ids.shape[0], width) + ids.shape[2:], -1, jnp.int32).at[:, width - p:].set(ids)
+  return (state.prompt_routes_SxPxLxK.at[slot_N].set(rows, mode="drop"),
+          state.routes_SxRxLxK.at[slot_N].set(-1, mode="drop"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -180,7 +209,8 @@ def _decode_program(graphdef, s: Settings):
     def body(carry):
       i, st = carry
       run_ = st.running_S
-      hidden, cache = lm.forward(st.token_S[:, None], positions=st.pos_S[:, None], cache=st.cache, layers=layers)
+      hidden, cache, routing = lm.forward_routed(st.token_S[:, None], positions=st.pos_S[:, None], cache=st.cache,
+                                                 layers=layers)
       # An idle slot stands at index 0 (its request is collected; it reads and rewrites one stale position).
       cache = dataclasses.replace(cache, index=jnp.where(run_, cache.index, 0))
       read = jnp.stack([1.0, st.cache.index.shape[0] * kv_len, jnp.sum(st.cache.index + 1)])
@@ -189,9 +219,15 @@ def _decode_program(graphdef, s: Settings):
       write = lambda buf, v: buf.at[jnp.arange(buf.shape[0]), column].set(v, mode="drop")  # noqa: E731
       step = st.step_S + run_
       stopped = st.stopped_S | (run_ & s.stops(new))
+      routes = st.routes_SxRxLxK
+      if routes is not None:  # the fed token is response token step - 1
+        fed = jnp.where(run_, st.step_S - 1, s.max_new)
+        routes = routes.at[jnp.arange(routes.shape[0]), fed].set(jnp.moveaxis(routing.ids_BxTxK[:, :, 0], 0, 1),
+                                                                  mode="drop")
       return i + 1, Slots(cache, jnp.where(run_, new, st.token_S), st.pos_S + run_, st.request_S, step,
                           st.budget_S, stopped, run_ & ~stopped & (step < st.budget_S),
-                          write(st.tokens_SxR, new), write(st.logprobs_SxR, logp), st.reads + read)
+                          write(st.tokens_SxR, new), write(st.logprobs_SxR, logp), st.reads + read,
+                          st.prompt_routes_SxPxLxK, routes)
 
     _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), dataclasses.replace(state, cache=view)))
     put = lambda whole, part: whole.at[:, :, :kv_len].set(part)  # noqa: E731

@@ -3,6 +3,7 @@ into a preallocated KV cache, then decode in a `lax.while_loop` that exits as so
 continuous path is `jalign.sampling.engine`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jalign.models.decoder import Decoder, KVCache
+from jalign.models.decoder import Decoder
+from jalign.models.kv_cache import KVCache
 from jalign.models.sharding import state_shardings
 from jalign.sampling import engine
 from jalign.sampling.filters import row_keys
@@ -20,7 +22,8 @@ from jalign.sampling.settings import GenerateOutput, Settings, prompt_bucket
 def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, stop_token_ids=(), num_samples: int = 1,
              pad_id: int = 0, cache_dtype=None, bucket_min: int = 16, mesh=None, rules=None, budgets=None,
-             slots: int | None = None, chunk: int = 32, stats: dict | None = None) -> GenerateOutput:
+             slots: int | None = None, chunk: int = 32, stats: dict | None = None,
+             record_routes: bool = False) -> GenerateOutput:
   """Samples continuations of left-padded prompts [B, P] (mask 1 = token). Each prompt is repeated `num_samples`
   times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows; row n is request n, and its
   t-th token is drawn with the key (request n, step t) whatever batch or slot it runs in.
@@ -30,7 +33,8 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   request), the same samples for the same `rng`; `stats` (a dict) gets the engine's decode counters (`engine.run`).
   `budgets` [N]: each request's own token budget (<= max_new_tokens), as a per-request max_tokens.
   With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
-  (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout."""
+  (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout.
+  `record_routes` (an MoE model): the output's `routes`, the experts every token went to (routing replay)."""
   prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
   if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
     raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]")
@@ -48,6 +52,8 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   if budgets.shape != (n,) or budgets.min() < 1 or budgets.max() > max_new_tokens:
     raise ValueError(f"budgets must be [{n}] (one per request) with values in [1, max_new_tokens={max_new_tokens}]"
                      f", got shape {budgets.shape}")
+  if record_routes and not lm.cfg.num_experts:
+    raise ValueError(f"record_routes: the model ({lm.cfg.model_type}) has no experts")
   if slots is not None:
     slots = min(slots, n) if slots else n
   if slots is not None and slots < num_samples:
@@ -56,14 +62,18 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   if mesh is not None and rules is not None:
     params = jax.device_put(params, state_shardings(lm, mesh, rules))
   settings = Settings(max_new_tokens, float(temperature), int(top_k), float(top_p), float(min_p),
-                      tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype, int(num_samples))
+                      tuple(int(t) for t in stop_token_ids), int(pad_id), cache_dtype, int(num_samples),
+                      bool(record_routes))
   if slots is not None:
     return engine.run(graphdef, params, prompt_ids, prompt_mask, budgets, rng, settings, slots=slots, chunk=chunk,
                       bucket_min=bucket_min, stats=stats)
   pad = ((0, 0), (bucket - p, 0))
   ids = np.pad(prompt_ids, pad, constant_values=pad_id).astype(np.int32)
   mask = np.pad(prompt_mask, pad).astype(np.int32)
-  return _compiled(graphdef, settings)(params, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(budgets), rng)
+  out = _compiled(graphdef, settings)(params, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(budgets), rng)
+  if out.routes is not None:  # the bucket's columns -> the prompt's as given
+    out = dataclasses.replace(out, routes=out.routes[:, bucket - p:])
+  return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,7 +86,7 @@ def _compiled(graphdef, s: Settings):
     layers = lm.layer_list()  # sliced once, not per token
     # Each prompt is prefilled once; its cache and last hidden state are repeated for its samples.
     cache = KVCache.init(lm.cfg, ids_BxP.shape[0], ids_BxP.shape[1] + max_new, s.cache_dtype)
-    hidden, cache = lm.forward(ids_BxP, mask_BxP, cache=cache, layers=layers)
+    hidden, cache, routing = lm.forward_routed(ids_BxP, mask_BxP, cache=cache, layers=layers)
     cache = cache.repeat(s.num_samples)
     hidden = jnp.repeat(hidden[:, -1:], s.num_samples, axis=0)
     mask_NxP = jnp.repeat(mask_BxP, s.num_samples, axis=0)
@@ -88,15 +98,22 @@ def _compiled(graphdef, s: Settings):
     out_logp = jnp.zeros((n, max_new), jnp.float32).at[:, 0].set(logp)
     stopped = s.stops(token)
     lengths = jnp.ones((n,), jnp.int32)
+    routes = None  # [L, N, max_new, k]: response token t's experts, recorded when it is fed back (step t + 1)
+    if s.routes:
+      routes = jnp.full(routing.ids_BxTxK.shape[:1] + (n, max_new) + routing.ids_BxTxK.shape[3:], -1, jnp.int32)
 
     def cond(carry):
       step, _, _, stopped, lengths, *_ = carry
       return (step < max_new) & ~jnp.all(stopped | (lengths >= budget_N))
 
     def body(carry):
-      step, out_tokens, out_logp, stopped, lengths, token, pos, cache = carry
+      step, out_tokens, out_logp, stopped, lengths, token, pos, cache, routes = carry
       done = stopped | (lengths >= budget_N)
-      hidden, cache = lm.forward(token[:, None], positions=pos[:, None], cache=cache, layers=layers)
+      hidden, cache, routing = lm.forward_routed(token[:, None], positions=pos[:, None], cache=cache,
+                                                 layers=layers)
+      if routes is not None:  # `token` is response token step - 1 while step <= length
+        fed = jnp.where((step <= lengths)[None, :, None, None], routing.ids_BxTxK, -1)
+        routes = jax.lax.dynamic_update_slice_in_dim(routes, fed, step - 1, axis=2)
       new, logp = sample(lm.logits(hidden)[:, 0], row_keys(rng, request, jnp.full_like(request, step)))
       new = jnp.where(done, pad_id, new)
       logp = jnp.where(done, 0.0, logp)
@@ -104,10 +121,13 @@ def _compiled(graphdef, s: Settings):
       out_logp = jax.lax.dynamic_update_slice_in_dim(out_logp, logp[:, None], step, axis=1)
       lengths = lengths + (~done).astype(jnp.int32)
       stopped = stopped | (~done & s.stops(new))
-      return step + 1, out_tokens, out_logp, stopped, lengths, new, pos + 1, cache
+      return step + 1, out_tokens, out_logp, stopped, lengths, new, pos + 1, cache, routes
 
-    carry = (jnp.ones((), jnp.int32), out_tokens, out_logp, stopped, lengths, token, next_pos, cache)
-    _, out_tokens, out_logp, stopped, lengths, *_ = jax.lax.while_loop(cond, body, carry)
-    return GenerateOutput(out_tokens, out_logp, lengths, stopped.astype(jnp.int32))
+    carry = (jnp.ones((), jnp.int32), out_tokens, out_logp, stopped, lengths, token, next_pos, cache, routes)
+    _, out_tokens, out_logp, stopped, lengths, *_, routes = jax.lax.while_loop(cond, body, carry)
+    if routes is not None:  # [N, P + max_new, L, k]; padding -1
+      prompt = jnp.where(mask_BxP[None, :, :, None] > 0, routing.ids_BxTxK, -1)
+      routes = jnp.moveaxis(jnp.concatenate([jnp.repeat(prompt, s.num_samples, axis=1), routes], axis=2), 0, 2)
+    return GenerateOutput(out_tokens, out_logp, lengths, stopped.astype(jnp.int32), routes)
 
   return run

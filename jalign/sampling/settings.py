@@ -17,6 +17,10 @@ class GenerateOutput:
   logprobs: jax.Array       # [N, max_new_tokens] float32; 0 after a row stops (see filters.py for the definition)
   lengths: jax.Array        # [N] int32, generated tokens including the stop token
   finish_reason: jax.Array  # [N] int32: 0 = ran out of max_new_tokens, 1 = emitted a stop token
+  # [N, P + max_new_tokens, L, k] int32, MoE with `record_routes`: the experts each prompt and response token went to
+  # in each layer, columns as the prompt was given then the response; -1 where none (padding, a response's last
+  # token, which is never fed back)
+  routes: jax.Array | None = None
 
 
 def prompt_bucket(length: int, minimum: int = 16) -> int:
@@ -40,6 +44,7 @@ class Settings:
   pad_id: int
   cache_dtype: object
   num_samples: int
+  routes: bool = False  # record each token's experts (an MoE model)
 
   def sampler(self):
     return functools.partial(sample_logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,

@@ -95,7 +95,7 @@ class DpoTask(PreferenceTask):
     return {"examples": [(pair[k][:half], pair[k][half:], pair[k + "_mask"][half:], label)
                          for k, label in (("chosen", 1.0), ("rejected", 0.0))]}
 
-  def abstract_batch(self) -> dict:
+  def abstract_batch(self, model_cfg=None) -> dict:
     batch = super().abstract_batch()
     if self.kto:  # the reference log-probs of the examples and of their KL sequences, which `prepare` adds
       rows = jax.ShapeDtypeStruct(batch["tokens"].shape[:1], np.float32)

@@ -75,9 +75,12 @@ class GrpoTask(Task):
       raise ConfigError(f"config.grpo.async_staleness={g.async_staleness} on {jax.process_count()} processes needs "
                         "sampling on devices of its own: set grpo.rollout_mesh (e.g. (P, 1, 1) for P processes, "
                         "one device each set apart), or async_staleness=0")
+    if g.routing_replay and not setup.model_cfg.num_experts:
+      raise ConfigError(f"config.grpo.routing_replay: the policy ({setup.model_cfg.model_type}) has no experts; "
+                        "routing replay applies to Mixture-of-Experts models only")
     self.sample_mesh = setup.rollout_mesh or mesh  # sampling's devices: the training mesh's, or set apart
     self.stage = RolloutStage(g, s, cfg.env, tok, self.rewards, remax=cfg.advantage.estimator == "remax",
-                              fields=cfg.data.fields(), max_prompt=max_prompt, context=setup.model_cfg.max_position_embeddings, mesh=self.sample_mesh,
+                              fields=cfg.data.fields(), max_prompt=max_prompt, model_cfg=setup.model_cfg, mesh=self.sample_mesh,
                               rules=s.rules(cfg.mesh.rules), model_reward=model_reward,
                               check_records=cfg.data.check_records)
     self.eval_prompts = []
@@ -106,6 +109,8 @@ class GrpoTask(Task):
     self.kept_logprobs = jax.jit(lambda params, batch: objective.kept_logprobs(
         graphdef, params, batch, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         group_size=self.group_size), out_shardings=self.batch_sharding)  # lax.map's result would be replicated
+    self.routing_mismatch = jax.jit(lambda params, batch, routes: objective.routing_mismatch(
+        graphdef, params, batch, routes, replay=g.routing_replay, group_size=self.group_size))
     self.reference, self.ref_logprobs = self.make_reference(setup, logprobs_fn)
     self.report_kl = jax.jit(lambda logp, ref_logp, mask: adv_lib.masked_mean(
         policy_lib.kl_penalty(logp, ref_logp, cfg.kl.kind), mask.astype(jnp.float32)), out_shardings=self.rep)
@@ -146,12 +151,13 @@ class GrpoTask(Task):
     return optim_lib.make(dataclasses.replace(cfg.optim, lr=cfg.optim.lr * lr_scale), cfg.train.steps,
                           cfg.grpo.updates_per_step)
 
-  def abstract_batch(self) -> RolloutBatch:
+  def abstract_batch(self, model_cfg=None) -> RolloutBatch:
     """A mini-batch's shapes: whole groups when they share their prompt, else rows of any prompts (a mini-batch may
-    then hold fewer rows than a group)."""
-    s = self.cfg.sampling
-    return self.plan.abstract_batch(self.rows // self.cfg.grpo.mini_batches, self.group_size or 1,
-                                    s.max_prompt_length, s.max_new_tokens)
+    then hold fewer rows than a group); with routing replay, the routes of `model_cfg`'s layers."""
+    s, g = self.cfg.sampling, self.cfg.grpo
+    route_shape = (model_cfg.num_layers, model_cfg.experts_per_token) if g.routing_replay else None
+    return self.plan.abstract_batch(self.rows // g.mini_batches, self.group_size or 1, s.max_prompt_length,
+                                    s.max_new_tokens, route_shape)
 
   def _update_fn(self, mini_batch_rows: int):
     """The jitted policy update at `lr_scale` for mini-batches of `mini_batch_rows` rows."""
@@ -327,11 +333,16 @@ class GrpoTask(Task):
       current = kept_logp if kept_logp is not None else batch.old_logp if plan.current_old else \
           kl_pair[0] if kl_pair is not None else self.logprobs(params, batch)
       agreement = logprob_agreement(rollout_logp, to_host(current), response_mask)
+    if agree and trained.prompt_routes is not None:  # the sampler's experts against the trainer's router
+      routes = batch.routes if batch.routes is not None else global_from_full(RolloutBatch.of_groups(
+          trained, self.setup.tok.pad_id, routes=True).routes, self.batch_sharding)
+      missed, choices = self.routing_mismatch(params, batch, routes)
+      agreement["rollout/routing_mismatch"] = float(missed) / max(float(choices), 1.0)
     return batch, kl_pair, agreement
 
   def update_rows(self, trained: Groups) -> RolloutBatch:
-    """The model rows of the update batch, on the host (`RolloutBatch.of_groups`)."""
-    return RolloutBatch.of_groups(trained, self.setup.tok.pad_id)
+    """The model rows of the update batch, on the host (`RolloutBatch.of_groups`; routing replay: their routes)."""
+    return RolloutBatch.of_groups(trained, self.setup.tok.pad_id, routes=self.cfg.grpo.routing_replay)
 
   def _monitor(self, step: int, metrics: dict, trained: Groups, no_signal: bool) -> None:
     """The run's monitors (their signals into `metrics`, their warnings said) and kl.max."""

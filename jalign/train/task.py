@@ -203,9 +203,10 @@ class Task:
     n = self.cfg.data.max_length
     return {"tokens": np.zeros(n, np.int32), "loss_mask": np.ones(n, np.int32), "record": np.ones(n, np.int32)}
 
-  def abstract_batch(self) -> dict:
+  def abstract_batch(self, model_cfg=None) -> dict:
     """Shapes and dtypes of the global batch of one update: train.batch_size of `largest_example` through the
-    run's own batch function (packed rows have the columns and shape of a bucket of train.seq_len)."""
+    run's own batch function (packed rows have the columns and shape of a bucket of train.seq_len). `model_cfg`:
+    the model's, for tasks whose batch depends on it."""
     d = self.cfg.data
     examples = [self.largest_example() for _ in range(self.cfg.train.batch_size)]
     buckets = (self.cfg.train.seq_len,) if d.packing else tuple(sorted(d.buckets)) or (self.cfg.train.seq_len,)

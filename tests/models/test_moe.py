@@ -163,3 +163,27 @@ def test_router_settings_on_a_dense_model_or_an_rl_task_are_errors():
   assert router.coefficients(dense, router.RouterLoss(None)) == (0.0, 0.0)
   with pytest.raises(ConfigError, match=r"config.model.router_z_loss.*MoE router losses train with SFT only"):
     run_config("grpo", model__router_z_loss=0.001)
+
+
+def test_upcycling_a_dense_model_keeps_its_function_and_exports(tmp_path):
+  """Every expert a copy of the dense MLP, renormalised top-k gates: the upcycled model computes the dense one's
+  logits (fp32, 1e-5); with noise the experts differ; the result saves and transformers loads it as Mixtral."""
+  import transformers
+
+  from jalign.models.upcycle import upcycle
+  dense = models.from_pretrained(ref.save(ref.build("llama"), tmp_path / "dense"), dtype="float32")
+  ids, mask = (jnp.asarray(a) for a in ref.batch(dense.cfg.vocab_size))
+  moe = upcycle(dense, num_experts=4, experts_per_token=2)
+  assert moe.cfg.model_type == "mixtral" and moe.cfg.num_experts == 4
+  want = np.asarray(dense(ids, mask))
+  np.testing.assert_allclose(np.asarray(moe(ids, mask)), want, atol=1e-5)
+  noisy = upcycle(dense, num_experts=4, experts_per_token=2, noise=0.05, seed=1)
+  gate = np.asarray(noisy.layers.expert_gate[...])
+  assert np.abs(gate[:, 0] - gate[:, 1]).max() > 0
+  assert 0 < np.abs(np.asarray(noisy(ids, mask)) - want).max() < 1.0
+  models.save_pretrained(noisy, str(tmp_path / "moe"))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "moe"), attn_implementation="eager").eval()
+  assert type(hf).__name__ == "MixtralForCausalLM"
+  assert ref.max_diff(noisy(ids, mask), ref.hf_logits(hf, np.asarray(ids), np.asarray(mask)), np.asarray(mask)) <= 1e-4
+  with pytest.raises(ConfigError, match="already has 4 experts"):
+    upcycle(noisy, num_experts=8, experts_per_token=2)

@@ -6,7 +6,8 @@ import numpy as np
 from flax import nnx
 
 from jalign.models.config import ModelConfig
-from jalign.models.decoder import Decoder, KVCache
+from jalign.models.decoder import Decoder
+from jalign.models.kv_cache import KVCache
 
 
 def _model():

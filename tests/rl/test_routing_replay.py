@@ -1,0 +1,135 @@
+"""Routing replay for RL on an MoE policy (`grpo.routing_replay`): the sampler's experts travel with the rollout
+(online, asynchronous, through a replay buffer and dynamic sampling's regrouping) into the update batch, whose
+forwards route by them; `rollout/routing_mismatch` reports how often the trainer's router would have chosen
+otherwise. The policy is the shipped tiny one upcycled to 4 experts (copies perturbed so they differ)."""
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jalign import models
+from jalign.core.errors import ConfigError, DataError
+from jalign.data.prompts import Prompt
+from jalign.models.upcycle import upcycle
+from jalign.objectives import grpo as objective
+from jalign.rl import rollout
+from jalign.rl.batch import RolloutBatch
+from jalign.rl.groups import Groups
+from jalign.tasks import grpo as grpo_task
+from jalign.tasks import rollout as rollout_task
+from jalign.tokenizers.tokenizer import load as load_tokenizer
+from tests import cli
+from tests.configs_util import run_config
+
+QUIET = dict(log__progress=False, log__tensorboard=False)
+TINY = "jalign/assets/tiny_policy"
+
+
+@pytest.fixture(scope="module")
+def moe_policy(tmp_path_factory):
+  """The tiny policy upcycled to 4 experts, top 2 (Mixtral), saved with its tokenizer."""
+  out = tmp_path_factory.mktemp("moe") / "policy"
+  dense = models.from_pretrained(f"{cli.ROOT}/{TINY}", dtype="float32")
+  models.save_pretrained(upcycle(dense, num_experts=4, experts_per_token=2, noise=0.3, seed=0), str(out))
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(f"{cli.ROOT}/{TINY}/{name}", out / name)
+  return str(out)
+
+
+def _steps(run_dir):
+  return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "actor/pg_loss" in line]
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_online_grpo_replays_the_samplers_experts(moe_policy, tmp_path, replay):
+  """fp32, on-policy: the sampler's experts are the trainer's own choices (mismatch 0) and its log-probs the
+  trainer's; the update runs with the routes column exactly when replaying."""
+  cfg = run_config("grpo", run_dir=str(tmp_path), model__path=moe_policy, train__steps=2, grpo__routing_replay=replay,
+                   grpo__no_signal="update", **QUIET)
+  task = grpo_task.task(cfg)
+  grpo_task.loop.run(cfg, task)
+  steps = _steps(tmp_path)
+  assert len(steps) == 2
+  for r in steps:
+    assert r["rollout/routing_mismatch"] == 0.0, r
+    assert r["rollout/logprob_abs_diff_max"] < 1e-4, r
+  assert (task.abstract_batch(task.setup.model_cfg).routes is not None) == replay
+
+
+def test_async_grpo_replays_the_behaviour_policys_experts(moe_policy, tmp_path):
+  """With async_staleness 1 the rollout of step 2 was sampled by the policy before step 1's update: its experts
+  (checkpointed with the in-flight rollout) are the behaviour policy's, which the current router partly disagrees
+  with after an update."""
+  cfg = dict(run_dir=str(tmp_path), model__path=moe_policy, train__steps=3, grpo__routing_replay=True,
+             grpo__async_staleness=1, grpo__no_signal="update", optim__lr=3e-3, **QUIET)
+  grpo_task.run(run_config("grpo", **cfg))
+  steps = _steps(tmp_path)
+  assert [r["rollout/policy_lag"] for r in steps] == [0.0, 1.0, 1.0]
+  assert steps[0]["rollout/routing_mismatch"] == 0.0
+  assert all(0.0 < r["rollout/routing_mismatch"] < 0.5 for r in steps[1:]), steps
+
+
+def test_a_buffer_carries_the_experts_into_offline_grpo(moe_policy, tmp_path):
+  rollout_task.run(run_config("rollout", run_dir=str(tmp_path / "rollout"), model__path=moe_policy,
+                              rollout__prompts="synthetic:arith:train:8", rollout__prompts_per_batch=4, **QUIET))
+  buffer = tmp_path / "rollout" / "buffer"
+  from jalign.rl.buffer import read_all
+  record = read_all(str(buffer))[0]
+  length = len(record["prompt_ids"]) + len(record["response_ids"])
+  assert record["route_layers"] == 4 and np.shape(record["routes"]) == (length, 4 * 2)
+  assert (np.asarray(record["routes"])[:-1] >= 0).all() and (np.asarray(record["routes"])[-1] == -1).all()
+  grpo_task.run(run_config("grpo", run_dir=str(tmp_path / "offline"), model__path=moe_policy, grpo__buffer=str(buffer),
+                           grpo__routing_replay=True, grpo__eval_prompts="", grpo__prompts_per_step=2,
+                           grpo__mini_batches=1, train__steps=2, grpo__no_signal="update", **QUIET))
+  steps = _steps(tmp_path / "offline")
+  assert len(steps) == 2 and steps[0]["rollout/routing_mismatch"] == 0.0
+
+  dense_buffer = tmp_path / "dense"
+  rollout_task.run(run_config("rollout", run_dir=str(dense_buffer), rollout__prompts="synthetic:arith:train:4",
+                              rollout__prompts_per_batch=4, **QUIET))
+  with pytest.raises(DataError, match="grpo.routing_replay replays the experts each token used in the rollout; "
+                                      "these records have none"):
+    grpo_task.run(run_config("grpo", run_dir=str(tmp_path / "bad"), model__path=moe_policy, train__steps=1,
+                             grpo__buffer=str(dense_buffer / "buffer"), grpo__routing_replay=True,
+                             grpo__eval_prompts="", **QUIET))
+
+
+def test_replay_needs_experts_and_single_turn_episodes(tmp_path):
+  with pytest.raises(ConfigError, match=r"grpo.routing_replay: the policy \(llama\) has no experts"):
+    grpo_task.run(run_config("grpo", run_dir=str(tmp_path / "a"), grpo__routing_replay=True, **QUIET))
+  with pytest.raises(ConfigError, match="grpo.routing_replay with env.name"):
+    run_config("grpo", run_dir=str(tmp_path / "b"), grpo__routing_replay=True, env__name="calculator")
+
+
+def test_regrouped_batches_keep_each_tokens_experts(moe_policy):
+  """Groups of two sampling batches with different prompt widths (dynamic sampling's refill), selected and laid out
+  as one update batch: every recorded token's experts are still the ones a forward over its row picks (fp32), and
+  a bf16 forward that replays them uses exactly them."""
+  lm = models.from_pretrained(moe_policy, dtype="float32")
+  tok = load_tokenizer(moe_policy)
+  spec = rollout.SamplingSection(max_new_tokens=6, num_samples=2)
+  batches = []
+  for b, texts in enumerate((["1+2=", "13+25="], ["100+200+300="])):
+    prompts = [Prompt(i, tok.encode(t), t, None, "") for i, t in enumerate(texts)]
+    s = rollout.sample(lm, tok, prompts, jax.random.key(b), spec, record_routes=True)
+    batches.append(Groups(prompts=prompts, size=2, response=s.tokens, lengths=s.lengths,
+                          scores=np.arange(len(s.tokens), dtype=np.float32), prompt_routes=s.prompt_routes,
+                          response_routes=s.response_routes))
+  groups = Groups.select(batches[::-1], 3)
+  batch = jax.tree.map(jnp.asarray, RolloutBatch.of_groups(groups, tok.pad_id, routes=True))
+  assert batch.routes.shape == batch.tokens.shape + (4, 2) and batch.routes.dtype == jnp.int16
+  graphdef, params = nnx.split(lm)
+  missed, choices = objective.routing_mismatch(graphdef, params, batch, batch.routes, replay=False)
+  recorded = (np.asarray(batch.routes)[..., 0] >= 0).sum()
+  assert float(missed) == 0.0 and float(choices) == recorded * 2
+
+  bf16 = models.from_pretrained(moe_policy, dtype="bfloat16")
+  _, routing = bf16.response_routed(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
+                                    response_len=batch.response.shape[1], routes_NxTxLxK=batch.routes)
+  used = np.asarray(jnp.moveaxis(routing.ids_BxTxK, 0, 2))
+  has = np.asarray(batch.routes)[..., :1] >= 0
+  np.testing.assert_array_equal(np.where(has, used, -1), np.asarray(batch.routes))
