@@ -143,10 +143,10 @@ READS = {
 _RL_TRAIN = {"batch_size": "a step's batch is grpo.prompts_per_step x sampling.num_samples completions",
              "micro_batches": "a step's updates are grpo.mini_batches",
              "eval_batches": "held-out prompts are grpo.eval_prompts", "eval_examples": "see grpo.eval_examples"}
-_ROUTER = {k: "MoE router losses train with SFT only" for k in ("router_aux_loss", "router_z_loss")}
+_ROUTER = {k: "MoE router terms train with SFT, DPO, GRPO and PPO" for k in ("router_aux_loss", "router_z_loss")}
 UNREAD_KEYS = {"grpo": {"train": _RL_TRAIN}, "ppo": {"train": _RL_TRAIN}, "distill:on_policy": {"train": _RL_TRAIN}}
 for _task in READS:
-  if _task != "sft":
+  if _task not in ("sft", "dpo", "grpo", "ppo"):
     UNREAD_KEYS.setdefault(_task, {})["model"] = _ROUTER
 
 

@@ -17,6 +17,7 @@ from jalign import kernels
 from jalign.core.errors import ConfigError
 from jalign.core.sections import bounded
 from jalign.losses import dpo as dpo_losses
+from jalign.objectives import router
 from jalign.objectives.sft import targets_and_weights
 
 
@@ -31,29 +32,32 @@ class DpoLossConfig:
   rpo_alpha: float = 0.0
   desirable_weight: float = 1.0      # KTO
   undesirable_weight: float = 1.0
+  router: router.RouterLoss = router.RouterLoss()  # MoE: the router terms (the checkpoint's load balancing, as SFT)
 
 
 def sequence_logps(graphdef, params, batch: dict, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   """(summed completion log-probs [B, 2], completion token counts [B, 2], per-token log-probs [2B, L'] with their
-  weights) of a pair batch under the model at `params`. A batch in the split layout (`prompt_mask`, see
-  `data.preference.split_pair_batch`) runs each pair's prompt once, under both completions."""
+  weights, an MoE model's `Routing` or None) of a pair batch under the model at `params`. A batch in the split
+  layout (`prompt_mask`, see `data.preference.split_pair_batch`) runs each pair's prompt once, under both
+  completions."""
   b, two, length = batch["tokens"].shape
   flat = {k: batch[k].reshape(b * two, length) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
   lm = nnx.merge(graphdef, params)
   if "prompt_mask" in batch:
     p = batch["prompt_mask"].shape[1]
-    hidden = lm.response_hidden(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"],
-                                response_len=length - p, group_size=two, dropout_rng=batch.get("dropout_rng"))
+    hidden, routing = lm.response_routed(flat["tokens"], segment_ids=flat["segment_ids"],
+                                         positions=flat["positions"], response_len=length - p, group_size=two,
+                                         dropout_rng=batch.get("dropout_rng"))
     targets, weights = flat["tokens"][:, p:], flat["loss_mask"][:, p:].astype(jnp.float32)
   else:
-    hidden, _ = lm.forward(flat["tokens"], segment_ids=flat["segment_ids"], positions=flat["positions"],
-                           dropout_rng=batch.get("dropout_rng"))
+    hidden, _, routing = lm.forward_routed(flat["tokens"], segment_ids=flat["segment_ids"],
+                                           positions=flat["positions"], dropout_rng=batch.get("dropout_rng"))
     targets, weights = targets_and_weights(flat)
   logp, _, _ = kernels.token_logprobs(hidden, lm.unembed(), targets, softcap=lm.cfg.final_softcap,
                                       **logprobs.kwargs())
   sums = jnp.sum(logp * weights, axis=-1).reshape(b, two)
   counts = jnp.sum(weights, axis=-1).reshape(b, two)
-  return sums, counts, (logp, weights)
+  return sums, counts, (logp, weights), routing
 
 
 def make_kto_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
@@ -63,7 +67,8 @@ def make_kto_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobO
   def loss_fn(params, batch):
     example = {k: v[:, :1] for k, v in batch.items() if k in ("tokens", "loss_mask", "segment_ids", "positions")}
     mismatched = {k: v[:, 1:] for k, v in batch.items() if k in ("tokens", "loss_mask", "segment_ids", "positions")}
-    logps = sequence_logps(graphdef, params, example, logprobs=logprobs)[0][:, 0]
+    logps, _, _, routing = sequence_logps(graphdef, params, example, logprobs=logprobs)
+    logps = logps[:, 0]
     kl_logps = sequence_logps(graphdef, jax.lax.stop_gradient(params), mismatched, logprobs=logprobs)[0][:, 0]
     desirable = batch["label"] > 0
     losses, rewards, kl = dpo_losses.kto_loss(logps, batch["ref_logps"], desirable, kl_logps, batch["ref_kl_logps"],
@@ -77,7 +82,7 @@ def make_kto_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobO
             "logps/chosen": mean_of(jax.lax.stop_gradient(logps), d),
             "logps/rejected": mean_of(jax.lax.stop_gradient(logps), 1 - d)}
     sums["rewards/margins"] = sums["rewards/chosen"] - sums["rewards/rejected"]
-    return jnp.sum(losses), n, sums
+    return _with_router(jnp.sum(losses), n, sums, routing, nnx.merge(graphdef, params).cfg, cfg.router)
   return loss_fn
 
 
@@ -86,7 +91,7 @@ def make_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobOptio
     return make_kto_loss_fn(graphdef, cfg, logprobs=logprobs)
 
   def loss_fn(params, batch):
-    logps, counts, (token_logp, weights) = sequence_logps(graphdef, params, batch, logprobs=logprobs)
+    logps, counts, (token_logp, weights), routing = sequence_logps(graphdef, params, batch, logprobs=logprobs)
     c, r = logps[:, 0], logps[:, 1]
     nc, nr = counts[:, 0], counts[:, 1]
     chosen_nll = -c / jnp.maximum(nc, 1.0)
@@ -118,8 +123,17 @@ def make_loss_fn(graphdef, cfg: DpoLossConfig, *, logprobs: kernels.LogprobOptio
                  "rewards/accuracies": jnp.sum((rc > rr).astype(jnp.float32)), "rewards/margins": jnp.sum(rc - rr),
                  "logps/chosen": jnp.sum(jax.lax.stop_gradient(c)),
                  "logps/rejected": jnp.sum(jax.lax.stop_gradient(r))})
-    return loss_sum, jnp.asarray(pairs, jnp.float32), sums
+    return _with_router(loss_sum, jnp.asarray(pairs, jnp.float32), sums, routing,
+                        nnx.merge(graphdef, params).cfg, cfg.router)
   return loss_fn
+
+
+def _with_router(loss_sum, count, sums: dict, routing, model_cfg, setting: router.RouterLoss):
+  """An MoE model's router penalty (per example, like the loss) and metrics added to a loss's (sum, count, sums)."""
+  if routing is None:
+    return loss_sum, count, sums
+  penalty, metrics = router.terms(routing, model_cfg, setting)
+  return loss_sum + penalty * count, count, {**sums, **{k: v * count for k, v in metrics.items()}}
 
 
 DPO_LOSS_TYPES = dpo_losses.PAIRED + dpo_losses.REFERENCE_FREE + ("kto",)

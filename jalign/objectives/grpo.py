@@ -22,6 +22,7 @@ from jalign import kernels
 from jalign.core.errors import ConfigError
 from jalign.core.sections import bounded
 from jalign.losses import policy
+from jalign.objectives import router
 from jalign.sampling.filters import filter_logits
 
 
@@ -66,16 +67,16 @@ class PolicyLossSection:
                         f"below rollout_rs_threshold={self.rollout_rs_threshold}")
 
   def loss_config(self, *, kl_coef: float, kl_kind: str, temperature: float, group_size: int,
-                  norm_rows: int) -> "GrpoLossConfig":
-    """The loss function's settings: this section's, the KL term's (`kl_coef` 0 = none), the sampling temperature
-    and the update's layout."""
+                  norm_rows: int, router_loss: router.RouterLoss = router.RouterLoss(rl=True)) -> "GrpoLossConfig":
+    """The loss function's settings: this section's, the KL term's (`kl_coef` 0 = none), the sampling temperature,
+    the update's layout and an MoE model's router terms."""
     return GrpoLossConfig(
         clip_low=self.clip_low, clip_high=self.clip_high, clip_c=self.clip_c, mode=self.mode, agg=self.agg,
         kl_coef=kl_coef, kl_kind=kl_kind, entropy_coef=self.entropy_coef, temperature=temperature,
         group_size=group_size, rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
         rollout_rs=self.rollout_rs, rollout_rs_threshold=self.rollout_rs_threshold,
         rollout_rs_threshold_lower=self.rollout_rs_threshold_lower, norm_rows=norm_rows, tau_pos=self.tau_pos,
-        tau_neg=self.tau_neg, horizon=self.loss_scale_factor)
+        tau_neg=self.tau_neg, horizon=self.loss_scale_factor, router=router_loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class GrpoLossConfig:
   rollout_rs: str = ""               # "token" / "sequence" / "geometric": mask what strays outside the bounds
   rollout_rs_threshold: float = 2.0
   rollout_rs_threshold_lower: float = 0.5
+  router: router.RouterLoss = router.RouterLoss(rl=True)  # MoE: the router terms' coefficients (0 by default)
 
   @property
   def corrects(self) -> bool:
@@ -111,14 +113,18 @@ def response_logprobs(graphdef, params, batch, temperature: float,
   """(logp [N, R], entropy [N, R]) of the response tokens under the model at `params`. `group_size` > 1: rows
   i*g .. i*g+g-1 share one prompt (as sampled: each prompt's samples in a row), which then runs through the model
   once per group (`Decoder.response_hidden`). A batch with `routes` (routing replay) routes by them."""
-  lm = nnx.merge(graphdef, params)
-  hidden = lm.response_hidden(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
-                              response_len=batch.response.shape[1], group_size=group_size,
-                              dropout_rng=batch.dropout_rng, routes_NxTxLxK=batch.routes)
+  return _routed_logprobs(nnx.merge(graphdef, params), batch, temperature, logprobs, group_size)[:2]
+
+
+def _routed_logprobs(lm, batch, temperature: float, logprobs: kernels.LogprobOptions, group_size: int):
+  """`response_logprobs` and an MoE model's `Routing` (None for a dense one)."""
+  hidden, routing = lm.response_routed(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions,
+                                      response_len=batch.response.shape[1], group_size=group_size,
+                                      dropout_rng=batch.dropout_rng, routes_NxTxLxK=batch.routes)
   logp, entropy, _ = kernels.token_logprobs(hidden, lm.unembed(), batch.response,
                                             temperature=temperature, softcap=lm.cfg.final_softcap,
                                             **logprobs.kwargs())
-  return logp, entropy
+  return logp, entropy, routing
 
 
 def kept_logprobs(graphdef, params, batch, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -153,7 +159,8 @@ def routing_mismatch(graphdef, params, batch, routes_NxTxLxK, *, replay: bool, g
 
 def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
   def loss_fn(params, batch):
-    logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, logprobs, cfg.group_size)
+    lm = nnx.merge(graphdef, params)
+    logp, entropy, routing = _routed_logprobs(lm, batch, cfg.temperature, logprobs, cfg.group_size)
     mask = batch.response_mask.astype(jnp.float32)
     old_logp = batch.old_logp if batch.old_logp is not None else jax.lax.stop_gradient(logp)
     if cfg.corrects:
@@ -187,5 +194,9 @@ def make_loss_fn(graphdef, cfg: GrpoLossConfig, logprobs: kernels.LogprobOptions
           jnp.sum(response_mask), 1.0)
     if kl is not None:
       sums["actor/kl_loss"] = jnp.sum(kl * mask) * per_token
+    if routing is not None:  # MoE: the router's terms over the forward's tokens (prompts once per shared group)
+      penalty, moe = router.terms(routing, lm.cfg, cfg.router)
+      num = num + penalty * den
+      sums.update({k: v * den for k, v in moe.items()})
     return num, den, sums
   return loss_fn

@@ -60,7 +60,7 @@ class DpoTask(PreferenceTask):
     self.loss_cfg = objective.DpoLossConfig(
         loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, simpo_gamma=p.simpo_gamma,
         cpo_alpha=p.cpo_alpha, discopop_tau=p.discopop_tau, rpo_alpha=p.rpo_alpha,
-        desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight)
+        desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight, router=self.router_loss())
     self.kto = p.loss_type == "kto"
     if self.kto:
       self.batch_fn = preference.kto_batch(self.buckets)

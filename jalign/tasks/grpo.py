@@ -53,7 +53,8 @@ class GrpoTask(Task):
     kl = cfg.kl
     self.loss_cfg = cfg.policy_loss.loss_config(
         kl_coef=0.0 if kl.in_reward else kl.coef, kl_kind=kl.kind, temperature=s.temperature,
-        group_size=self.group_size, norm_rows=self.rows // g.mini_batches)
+        group_size=self.group_size, norm_rows=self.rows // g.mini_batches,
+        router_loss=dataclasses.replace(self.router_loss(), rl=True))
     self.plan = LogprobPlan.of(cfg)
 
   def build(self, setup: Setup, optimizer, schedule):

@@ -153,7 +153,7 @@ def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_the
   assert float(jnp.abs(grad["layers"]["router"][...]).max()) > 0
 
 
-def test_router_settings_on_a_dense_model_or_an_rl_task_are_errors():
+def test_router_settings_on_a_dense_model_or_a_task_without_router_terms_are_errors():
   from jalign.objectives import router
   from tests.configs_util import run_config
   dense = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
@@ -161,8 +161,10 @@ def test_router_settings_on_a_dense_model_or_an_rl_task_are_errors():
   with pytest.raises(ConfigError, match=r"router_aux_loss=0.01, router_z_loss=0.0: the model \(llama\) has no experts"):
     router.coefficients(dense, router.RouterLoss(0.01, 0.0))
   assert router.coefficients(dense, router.RouterLoss(None)) == (0.0, 0.0)
-  with pytest.raises(ConfigError, match=r"config.model.router_z_loss.*MoE router losses train with SFT only"):
-    run_config("grpo", model__router_z_loss=0.001)
+  with pytest.raises(ConfigError, match=r"config.model.router_z_loss.*MoE router terms train with SFT, DPO, GRPO "
+                                        r"and PPO"):
+    run_config("rm", model__router_z_loss=0.001)
+  run_config("grpo", model__router_z_loss=0.001)
 
 
 def test_upcycling_a_dense_model_keeps_its_function_and_exports(tmp_path):

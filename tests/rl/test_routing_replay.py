@@ -133,3 +133,27 @@ def test_regrouped_batches_keep_each_tokens_experts(moe_policy):
   used = np.asarray(jnp.moveaxis(routing.ids_BxTxK, 0, 2))
   has = np.asarray(batch.routes)[..., :1] >= 0
   np.testing.assert_array_equal(np.where(has, used, -1), np.asarray(batch.routes))
+
+
+def test_the_update_adds_the_router_terms_it_is_given(moe_policy):
+  """GRPO's loss on an MoE policy: its moe/* metrics always, and coef x the load-balancing loss (per token, like the
+  policy loss) only when model.router_aux_loss asks for it (RL's default is 0)."""
+  from jalign.objectives import router
+  lm = models.from_pretrained(moe_policy, dtype="float32")
+  tok = load_tokenizer(moe_policy)
+  prompts = [Prompt(i, tok.encode(t), t, None, "") for i, t in enumerate(["1+2=", "13+25="])]
+  s = rollout.sample(lm, tok, prompts, jax.random.key(0), rollout.SamplingSection(max_new_tokens=6, num_samples=2))
+  groups = Groups(prompts=prompts, size=2, response=s.tokens, lengths=s.lengths, scores=np.zeros(4, np.float32))
+  batch = jax.tree.map(jnp.asarray, RolloutBatch.of_groups(groups, tok.pad_id)).replace(
+      advantages=jnp.ones(s.tokens.shape, jnp.float32))
+  graphdef, params = nnx.split(lm)
+  out = {}
+  for aux in (None, 0.5):
+    cfg = objective.GrpoLossConfig(router=router.RouterLoss(aux, rl=True), kl_coef=0.0)
+    out[aux] = objective.make_loss_fn(graphdef, cfg)(params, batch)
+  (num0, den0, sums0), (num1, den1, sums1) = out[None], out[0.5]
+  assert sums0["moe/aux_loss"] == sums1["moe/aux_loss"]  # the metric either way
+  assert float(den0) == float(den1) > 0
+  aux_loss = float(sums1["moe/aux_loss"]) / float(den1)
+  assert 2.0 <= aux_loss <= 8.0  # k for a balanced router, up to E
+  np.testing.assert_allclose(float(num1 - num0), 0.5 * aux_loss * float(den1), rtol=1e-4)

@@ -1,6 +1,6 @@
 """An MoE policy through the objectives: SFT from scratch (a Mixtral-architecture model on the built-in task), its
 HF export loaded by transformers, then GRPO from that export, whose sampler (the decode step over the KV cache runs
-the same experts layer) agrees with the trainer's log-probs."""
+the same experts layer) agrees with the trainer's log-probs, and DPO from it; each logs the router's metrics."""
 import json
 
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ import numpy as np
 import transformers
 
 from jalign import models
+from jalign.tasks import dpo as dpo_task
 from jalign.tasks import grpo as grpo_task
 from jalign.tasks import sft as sft_task
 from tests import hf_reference as ref
@@ -41,8 +42,15 @@ def test_moe_sft_from_scratch_then_grpo_from_its_export(tmp_path):
 
   grpo_dir = tmp_path / "grpo"
   final = grpo_task.run(run_config("grpo", run_dir=str(grpo_dir), model__path=export, train__steps=2, grpo__no_signal="update",
-                                   train__log_every=1, **QUIET))
+                                   grpo__dynamic_sampling=False, train__log_every=1, **QUIET))
   assert np.isfinite(final["actor/pg_loss"])
   rows = [json.loads(line) for line in open(grpo_dir / "metrics.jsonl")]
   gaps = [r["rollout/logprob_abs_diff_max"] for r in rows if "rollout/logprob_abs_diff_max" in r]
   assert gaps and max(gaps) < 1e-4, gaps  # fp32: the sampler's routing and log-probs are the trainer's
+  assert all(0 < r["moe/router_entropy"] <= np.log(4) + 1e-6 for r in rows if "actor/pg_loss" in r)
+
+  dpo_dir = tmp_path / "dpo"  # DPO from the same export: the checkpoint's load balancing (none) plus a z-loss
+  dpo_task.run(run_config("dpo", run_dir=str(dpo_dir), model__path=export, train__steps=2, train__log_every=1,
+                          model__router_z_loss=0.001, **QUIET))
+  rows = [json.loads(line) for line in open(dpo_dir / "metrics.jsonl") if "train/loss" in line]
+  assert rows and all(r["moe/z_loss"] > 0 and 1.0 <= r["moe/expert_load_max"] <= 2.0 + 1e-6 for r in rows)
