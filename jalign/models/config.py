@@ -93,6 +93,8 @@ class ModelConfig:
   remat: str = "none"                      # none | full | dots (save matmul outputs, recompute the rest)
   attention: str = "auto"                  # `kernels.attention` impl for training and scoring forwards
   moe_impl: str = "auto"                   # `kernels.moe.grouped_matmul` impl for the experts
+  moe_capacity_factor: float = 0.0         # > 0: each expert takes at most this x its even share of a forward's
+                                           # choices (`models.moe.capacity_keep`); 0 = dropless
 
   def __post_init__(self):
     if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -109,6 +111,8 @@ class ModelConfig:
       raise ConfigError(f"num_experts_per_tok={self.experts_per_token}: must be in [1, num_experts={self.num_experts}]")
     if self.num_experts and self.moe_intermediate_size <= 0:
       raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size}: must be > 0 for an MoE model")
+    if self.moe_capacity_factor < 0:
+      raise ConfigError(f"moe_capacity_factor={self.moe_capacity_factor}: must be >= 0 (0 = dropless)")
     if self.moe_impl not in MOE_IMPLS:
       raise ConfigError(f"moe_impl {self.moe_impl!r}; accepted: {', '.join(MOE_IMPLS)}")
     if self.attention not in ATTENTION_IMPLS:
@@ -371,6 +375,9 @@ class ModelSection:
   attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"  # `kernels.attention` impl
   # MoE models: the experts' grouped matmul (`kernels.moe`)
   moe_impl: Literal["auto", "xla", "ragged", "megablox"] = "auto"
+  # MoE models: > 0 caps each expert at this x its even share of a forward's token choices (GShard / Switch; first
+  # choices before second ones, earlier tokens first), the rest dropped (moe/dropped_tokens); 0 = dropless
+  moe_capacity_factor: float = 0.0
   # MoE models: the load-balancing loss coefficient; None = the checkpoint's (router_aux_loss_coef when its
   # output_router_logits is true, as transformers trains), and 0 for RL objectives
   router_aux_loss: float | None = None
@@ -381,4 +388,5 @@ class ModelSection:
 
   def knobs(self) -> dict:
     """The runtime fields of `ModelConfig` this section sets on a loaded or created model."""
-    return dict(scan_layers=self.scan_layers, remat=self.remat, attention=self.attention, moe_impl=self.moe_impl)
+    return dict(scan_layers=self.scan_layers, remat=self.remat, attention=self.attention, moe_impl=self.moe_impl,
+                moe_capacity_factor=float(self.moe_capacity_factor))

@@ -24,6 +24,7 @@ class Routing:
   entropy_sum: jax.Array    # sum of the router distribution's entropy
   mismatch_sum: jax.Array   # recorded choices the router would not have made itself
   recorded: jax.Array       # real tokens with recorded choices (`route_ids` >= 0)
+  dropped: jax.Array        # real tokens' choices over an expert's capacity (`capacity_keep`), dropped
   tokens: jax.Array         # real tokens
 
 
@@ -57,6 +58,11 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
       weights_NxK = jnp.where(has_N[:, None], moe.replayed_weights(logits_NxE, rec_NxK, normalize=cfg.norm_topk_prob),
                               weights_NxK)
       ids_NxK = rec_NxK
+  dropped = jnp.zeros(())
+  if cfg.moe_capacity_factor and T > 1:  # decode steps (one token per row) route dropless
+    keep_NxK = capacity_keep(ids_NxK, real_N, cfg.num_experts, cfg.moe_capacity_factor)
+    weights_NxK = jnp.where(keep_NxK, weights_NxK, 0.0)
+    dropped = jnp.sum(real_N[:, None] * ~keep_NxK)
   out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
                         lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), activation,
                         impl=cfg.moe_impl)
@@ -65,8 +71,22 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
   entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)
   chosen_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, cfg.num_experts, dtype=jnp.float32), axis=1)
   routing = Routing(ids_NxK.reshape(B, T, k), real_N @ chosen_NxE, real_N @ probs_NxE, real_N @ lse_N ** 2,
-                    real_N @ entropy_N, real_N @ missed_N, jnp.sum(recorded_N), jnp.sum(real_N))
+                    real_N @ entropy_N, real_N @ missed_N, jnp.sum(recorded_N), dropped, jnp.sum(real_N))
   return out.reshape(B, T, D), routing
+
+
+def capacity_keep(ids_NxK, real_N, num_experts: int, factor: float):
+  """[N, K] bool: which of the real tokens' choices fit their expert's capacity, ceil(factor x real tokens x K / E)
+  choices each, taken as GShard and Switch Transformer take them (Lepikhin et al. 2020, Fedus et al. 2021): every
+  token's first choice before any second one, earlier tokens first. A dropped choice adds nothing to its token (the
+  residual carries it); the grouped matmul still computes its row."""
+  N, K = ids_NxK.shape
+  flat = ids_NxK.T.reshape(-1)  # choice-major: [K * N]
+  valid = jnp.tile(real_N > 0, K)
+  onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32) * valid[:, None].astype(jnp.int32)
+  rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), flat[:, None], axis=1)[:, 0] - 1
+  capacity = jnp.ceil(factor * jnp.sum(real_N > 0) * K / num_experts)
+  return (valid & (rank < capacity)).reshape(K, N).T
 
 
 def stack(routings: list):

@@ -51,5 +51,6 @@ def terms(routing, model_cfg: ModelConfig, setting: RouterLoss) -> tuple[jnp.nda
   load_max = jnp.mean(jnp.max(routing.counts_E, axis=-1) * E / (k * layer_tokens_L))
   metrics = {"moe/aux_loss": aux, "moe/z_loss": z, "moe/expert_load_max": load_max,
              "moe/router_entropy": jnp.sum(routing.entropy_sum) / tokens,
-             "moe/routing_mismatch": jnp.sum(routing.mismatch_sum) / (k * jnp.maximum(jnp.sum(routing.recorded), 1.0))}
+             "moe/routing_mismatch": jnp.sum(routing.mismatch_sum) / (k * jnp.maximum(jnp.sum(routing.recorded), 1.0)),
+             "moe/dropped_tokens": jnp.sum(routing.dropped) / (k * tokens)}
   return aux_coef * aux + z_coef * z, metrics

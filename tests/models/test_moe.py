@@ -189,3 +189,47 @@ def test_upcycling_a_dense_model_keeps_its_function_and_exports(tmp_path):
   assert ref.max_diff(noisy(ids, mask), ref.hf_logits(hf, np.asarray(ids), np.asarray(mask)), np.asarray(mask)) <= 1e-4
   with pytest.raises(ConfigError, match="already has 4 experts"):
     upcycle(noisy, num_experts=8, experts_per_token=2)
+
+
+def _numpy_capacity_keep(ids, real, E, factor):
+  """GShard's order, one choice at a time: all first choices (token order), then all second ones, ..."""
+  N, K = ids.shape
+  capacity = np.ceil(factor * real.sum() * K / E)
+  used, keep = np.zeros(E), np.zeros((N, K), bool)
+  for j in range(K):
+    for n in range(N):
+      if real[n] and used[ids[n, j]] < capacity:
+        used[ids[n, j]] += 1
+        keep[n, j] = True
+  return keep
+
+
+def test_capacity_drops_choices_past_each_experts_share_in_gshard_order(tmp_path):
+  from jalign.models import moe as moe_block
+  from jalign.objectives import router
+  rng = np.random.RandomState(0)
+  ids = np.stack([rng.choice(6, 2, replace=False, p=[.4, .3, .1, .1, .05, .05]) for _ in range(50)])
+  real = (rng.rand(50) > 0.2).astype(np.float32)
+  for factor in (0.5, 1.0, 1.25, 3.0):
+    got = moe_block.capacity_keep(jnp.asarray(ids), jnp.asarray(real), 6, factor)
+    np.testing.assert_array_equal(np.asarray(got), _numpy_capacity_keep(ids, real, 6, factor))
+
+  path = ref.save(ref.build("qwen3_moe"), tmp_path / "m")
+  ids_, mask = (jnp.asarray(a) for a in ref.batch(ref.build("qwen3_moe").config.vocab_size))
+  dropless = models.from_pretrained(path, dtype="float32")
+  hidden, _, own = dropless.forward_routed(ids_, mask)
+  roomy = models.from_pretrained(path, dtype="float32", moe_capacity_factor=100.0)
+  real = np.asarray(mask) > 0  # (padding's choices never count, so they are dropped: its states change)
+  np.testing.assert_array_equal(np.asarray(roomy.forward_routed(ids_, mask)[0])[real], np.asarray(hidden)[real])
+  tight = models.from_pretrained(path, dtype="float32", moe_capacity_factor=0.5)
+  tight_hidden, _, routing = tight.forward_routed(ids_, mask)
+  _, metrics = router.terms(routing, tight.cfg, router.RouterLoss())
+  k, E = tight.cfg.experts_per_token, tight.cfg.num_experts
+  # Layer 0 sees the same input either way: its drops are the numpy ones over the dropless routing's choices.
+  keep0 = _numpy_capacity_keep(np.asarray(own.ids_BxTxK[0]).reshape(-1, k), np.asarray(mask).reshape(-1), E, 0.5)
+  assert float(routing.dropped[0]) == float((~keep0 & (np.asarray(mask).reshape(-1, 1) > 0)).sum()) > 0
+  assert 0.5 <= float(metrics["moe/dropped_tokens"]) < 1.0
+  assert np.abs(np.asarray(tight_hidden) - np.asarray(hidden))[real].max() > 1e-3
+  with pytest.raises(ConfigError, match="model.moe_capacity_factor.*RL and sampling route dropless"):
+    from tests.configs_util import run_config
+    run_config("grpo", model__moe_capacity_factor=1.25)
