@@ -5,7 +5,7 @@ Each case is the task's real train step (the builder `python -m jalign.run` uses
 full remat, attention and log-probs as `auto` picks them for a TPU (splash, pallas_tpu), one sequence (SFT, GRPO) or
 one pair (DPO) per chip and update. The step time is model FLOPs at the chip's bf16 peak (`fit.model_flops`).
 
-  python benchmarks/tpu_fit.py                 # the table of benchmarks/README.md (~20 minutes on 2 cores)
+  python benchmarks/tpu_fit.py                 # the tables of benchmarks/README.md (~30 minutes on 2 cores)
   python benchmarks/tpu_fit.py --only=sft      # a subset: cases whose name contains this
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 
 
-def _config(task: str, chips: int, tokens: int, mesh: tuple[int, int, int]):
-  """configs/<task>.py with the long-context overrides (one sequence or pair per chip; `mesh`'s data x fsdp rows)."""
+def _config(task: str, chips: int, tokens: int, mesh: tuple[int, ...]):
+  """configs/<task>.py with the long-context overrides (one sequence or pair per chip; `mesh`'s data x fsdp x
+  expert rows)."""
   from jalign.config import validate
   spec = importlib.util.spec_from_file_location(f"configs_{task}", os.path.join(ROOT, "configs", f"{task}.py"))
   module = importlib.util.module_from_spec(spec)
@@ -29,7 +30,7 @@ def _config(task: str, chips: int, tokens: int, mesh: tuple[int, int, int]):
   c = module.get_config(None).to_dict()
   c["model"].update(dtype="bfloat16", remat="full", scan_layers=True)
   c["mesh"]["shape"] = mesh
-  rows = mesh[0] * mesh[1]
+  rows = mesh[0] * mesh[1] * (mesh[3] if len(mesh) > 3 else 1)
   if task == "grpo":  # groups of 8 samples; one mini-batch of `rows` completions, prompt 1/8 of the length
     c["sampling"].update(num_samples=8, max_prompt_length=tokens // 8, max_new_tokens=tokens - tokens // 8)
     c["grpo"].update(prompts_per_step=max(1, rows // 8), mini_batches=max(1, 8 // rows), compact_sizes=0)
@@ -39,13 +40,19 @@ def _config(task: str, chips: int, tokens: int, mesh: tuple[int, int, int]):
   return validate(c, chips)
 
 
-# (name, task, arch, accelerator type, tokens, mesh (data, fsdp, tensor))
+# (name, task, arch, accelerator type, tokens, mesh (data, fsdp, tensor[, expert]))
 CASES = [(f"{task} 8b {acc} {t // 1024}k", task, "llama3-8b", acc, t, (1, chips, 1))
          for acc, chips in (("v5p-8", 4), ("v6e-8", 8)) for task in ("sft", "dpo", "grpo")
          for t in (4096, 8192, 32768)]
 # One 32k-token pair per chip does not fit a v6e's 32 GiB: a pair over two chips (tensor parallel) does.
 CASES += [("dpo 8b v6e-8 32k tp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 2))]
 CASES += [(f"grpo 70b v5p-64 {t // 1024}k", "grpo", "llama3-70b", "v5p-64", t, (1, 8, 4)) for t in (4096, 8192)]
+# MoE (Qwen3-MoE shapes, 128 experts, top 8) at 8k tokens: experts gathered like dense weights (FSDP) against split
+# over an `expert` axis (expert parallelism, the fourth mesh size).
+CASES += [(f"{task} 30b-a3b {acc} 8k{' ep' if len(mesh) > 3 else ''}", task, "qwen3-30b-a3b", acc, 8192, mesh)
+          for task in ("sft", "grpo") for acc, chips in (("v5p-8", 4), ("v6e-8", 8))
+          for mesh in ((1, chips, 1), (1, 1, 1, chips))]
+CASES += [("grpo 235b-a22b v5p-64 8k ep", "grpo", "qwen3-235b-a22b", "v5p-64", 8192, (1, 4, 1, 8))]
 
 
 def main():
@@ -55,7 +62,7 @@ def main():
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jalign import fit
   from jalign.parallel import tpu_target
-  print(f"{'case':24s} {'mesh':>9s} {'params':>8s} {'optim':>8s} {'peak':>8s} {'HBM':>6s} {'fits':>5s} "
+  print(f"{'case':28s} {'mesh':>9s} {'params':>8s} {'optim':>8s} {'peak':>8s} {'HBM':>6s} {'fits':>5s} "
         f"{'step >=':>8s} {'compile':>8s}")
   for name, task, arch, acc, tokens, mesh in CASES:
     if args.only not in name:
@@ -65,10 +72,10 @@ def main():
     try:
       r = fit.report(_config(task, target.num_chips, tokens, mesh), arch, target)
     except Exception as e:  # noqa: BLE001  out of memory at compile time is a result too
-      print(f"{name:24s} {'x'.join(map(str, mesh)):>9s} failed: {str(e).splitlines()[0][:120]}", flush=True)
+      print(f"{name:28s} {'x'.join(map(str, mesh)):>9s} failed: {str(e).splitlines()[0][:120]}", flush=True)
       continue
     b, t = r["bytes_per_device"], r["target"]
-    print(f"{name:24s} {'x'.join(map(str, mesh)):>9s} {b['params'] / GIB:7.2f}G {b['optimizer_state'] / GIB:7.2f}G "
+    print(f"{name:28s} {'x'.join(map(str, mesh)):>9s} {b['params'] / GIB:7.2f}G {b['optimizer_state'] / GIB:7.2f}G "
           f"{b['peak'] / GIB:7.2f}G {t['hbm_gib']:5.0f}G {'yes' if b['peak'] <= t['hbm_gib'] * GIB else 'NO':>5s} "
           f"{t['step_time_lower_bound_s']:7.3f}s {time.perf_counter() - start:7.0f}s", flush=True)
     gc.collect()

@@ -177,8 +177,9 @@ def validate(values, num_devices: int) -> RunConfig:
   if cfg.optim.warmup_steps > t.steps and cfg.task not in ("rollout", "eval"):  # a run cut short on the command line
     say(f"warning: config.optim.warmup_steps={cfg.optim.warmup_steps} is more than train.steps={t.steps}: the "
         f"warmup is clipped to {t.steps} steps")
-  if any(s == 0 or s < -1 for s in m.shape) or list(m.shape).count(-1) > 1:
-    raise ConfigError(f"config.mesh.shape={m.shape}: sizes must be positive, with at most one -1 (the rest)")
+  if len(m.shape) not in (3, 4) or any(s == 0 or s < -1 for s in m.shape) or list(m.shape).count(-1) > 1:
+    raise ConfigError(f"config.mesh.shape={m.shape}: (data, fsdp, tensor) or (data, fsdp, tensor, expert); sizes "
+                      "must be positive, with at most one -1 (the rest)")
   fixed = 1
   for s in m.shape:
     fixed *= s if s != -1 else 1
@@ -186,13 +187,13 @@ def validate(values, num_devices: int) -> RunConfig:
     raise ConfigError(f"config.mesh.shape={m.shape} needs {fixed} devices{'' if -1 not in m.shape else ' x k'}; "
                       f"{num_devices} are available")
   sizes = [s if s != -1 else num_devices // fixed for s in m.shape]
-  dp = sizes[0] * sizes[1]
+  dp = sizes[0] * sizes[1] * (sizes[3] if len(sizes) > 3 else 1)  # data x fsdp x expert
   _check_reads(cfg)
   key = reads_key(cfg)
   if "train" in READS[key] and "batch_size" not in UNREAD_KEYS.get(key, {}).get("train", {}) and \
       t.batch_size % (dp * t.micro_batches):
     raise ConfigError(f"config.train.batch_size={t.batch_size} is not divisible by data-parallel size "
-                      f"(data x fsdp = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
+                      f"(data x fsdp x expert = {dp}) x train.micro_batches={t.micro_batches}; accepted: multiples of "
                       f"{dp * t.micro_batches}")
   cfg.data.check("grpo" if key == "distill:on_policy" else cfg.task, t.seq_len)
   if cfg.task == "rm":

@@ -109,40 +109,80 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   T*k token copies sorted by expert, three grouped matmuls over them, then unsorted.
 
   On a mesh (`jax.set_mesh`) it runs under `shard_map`: each device routes its own rows (tokens split over the
-  data-parallel axes, `row_axes`) through every expert's weights, gathered over `fsdp` like a dense layer's, with the
-  experts' hidden dimension split over `tensor` (Megatron-style: the down projection's partial sums added over
-  `tensor`). The Mosaic kernel needs this (it is not partitioned automatically); sorting locally also keeps XLA
-  from gathering every token to sort them."""
+  data-parallel axes, `row_axes`), with the experts' hidden dimension split over `tensor` (Megatron-style: the down
+  projection's partial sums added over `tensor`) and their model dimension gathered over `fsdp` like a dense layer's.
+  With an `expert` axis each device holds E / size(expert) of the experts and its token copies travel to their
+  experts' devices and back by all-to-all (`_exchanged`); without one every device has every expert. The Mosaic
+  kernel needs the shard_map (it is not partitioned automatically); sorting locally also keeps XLA from gathering
+  every token to sort them."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return _experts_local(x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl)
-  F = gate_ExDxF.shape[-1]
+  E, _, F = gate_ExDxF.shape
   tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and F % mesh.shape["tensor"] == 0 else None
+  ep = mesh.shape.get("expert", 1)
+  if E % ep:
+    raise ValueError(f"{E} experts do not split over the mesh's expert axis of {ep} devices; accepted: an expert "
+                     "axis size that divides the expert count")
+  expert = "expert" if ep > 1 else None
   row_spec = row_axes(x_TxD.shape[0])
   rows = P(row_spec)
 
   def local(x, ids, weights, gate, up, down):
-    return _experts_local(x, ids, weights, gate, up, down, activation, impl)[None]
+    if expert is None:
+      return _experts_local(x, ids, weights, gate, up, down, activation, impl)[None]
+    return _exchanged(x, ids, weights, gate, up, down, activation, impl, ep)[None]
 
   # Each `tensor` shard's partial sums come out stacked and are added outside the shard_map, where the sum's
   # gradient (a broadcast) is XLA's own (Mosaic needs check_vma off, under which a psum would not transpose right).
   partial_SxTxD = jax.shard_map(
-      local, in_specs=(rows, rows, rows, P(None, None, tensor), P(None, None, tensor), P(None, tensor, None)),
+      local, in_specs=(rows, rows, rows, P(expert, None, tensor), P(expert, None, tensor), P(expert, tensor, None)),
       out_specs=P(tensor, row_spec), axis_names=set(mesh.axis_names), check_vma=False)(
       x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD)
   return jnp.sum(partial_SxTxD, axis=0)
 
 
+def _exchanged(x_TxD, ids_TxK, weights_TxK, gate_LxDxF, up_LxDxF, down_LxFxD, activation, impl, ep: int):
+  """`_experts_local` with this device's L = E / ep experts (the `expert` axis's shard `me` holds experts
+  [me L, (me + 1) L)): every token copy goes to its expert's device in a slot of a [ep, C, D] buffer (C = T k, so
+  nothing is ever dropped, whatever the routing), one all-to-all delivers the buffers, each device runs its experts
+  over the copies it received, and a second all-to-all returns the results to the slots they came from."""
+  T, K = ids_TxK.shape
+  L = gate_LxDxF.shape[0]
+  C = T * K
+  flat_ids = ids_TxK.reshape(-1)
+  order = jnp.argsort(flat_ids, stable=True)            # copies grouped by expert, hence by destination device
+  dest_C = flat_ids[order] // L
+  sent_P = jnp.bincount(dest_C, length=ep)
+  slot_C = jnp.arange(C) - (jnp.cumsum(sent_P) - sent_P)[dest_C]
+  send_PxCxD = jnp.zeros((ep, C, x_TxD.shape[1]), x_TxD.dtype).at[dest_C, slot_C].set(
+      jnp.take(x_TxD, order // K, axis=0))
+  send_PxC = jnp.full((ep, C), L, jnp.int32).at[dest_C, slot_C].set(flat_ids[order] % L)  # L: an empty slot
+  recv_PxCxD = jax.lax.all_to_all(send_PxCxD, "expert", 0, 0)  # [p] = what device p sent here
+  recv_ids = jax.lax.all_to_all(send_PxC, "expert", 0, 0).reshape(-1)
+  y_PxCxD = _grouped_mlp(recv_PxCxD.reshape(ep * C, -1), jnp.arange(ep * C), recv_ids, gate_LxDxF, up_LxDxF,
+                         down_LxFxD, activation, impl).reshape(ep, C, -1)
+  back_PxCxD = jax.lax.all_to_all(y_PxCxD, "expert", 0, 0)    # [p] = results of the copies sent to device p
+  y_sorted_CxD = back_PxCxD[dest_C, slot_C]
+  y_TxKxD = jnp.take(y_sorted_CxD, jnp.argsort(order), axis=0).reshape(T, K, -1)
+  return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
+
+
+def _grouped_mlp(x_RxD, row_M, ids_M, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl):
+  """Row `row_M[m]` of x through expert `ids_M[m]`'s MLP, for each m ([M, D]; ids_M = E: none, a zero row)."""
+  E = gate_ExDxF.shape[0]
+  order = jnp.argsort(ids_M, stable=True)
+  sizes_E = jnp.bincount(ids_M, length=E)  # ids == E (none) fall outside: those rows sort last and come back zero
+  xs = jnp.take(x_RxD, row_M[order], axis=0)
+  h = activation(grouped_matmul(xs, gate_ExDxF, sizes_E, impl=impl)) * grouped_matmul(xs, up_ExDxF, sizes_E, impl=impl)
+  ys = grouped_matmul(h, down_ExFxD, sizes_E, impl=impl)
+  return jnp.take(ys, jnp.argsort(order), axis=0)
+
+
 def _experts_local(x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl):
   T, K = ids_TxK.shape
-  E = gate_ExDxF.shape[0]
-  flat_ids = ids_TxK.reshape(-1)
-  order = jnp.argsort(flat_ids, stable=True)              # copy positions, grouped by expert
-  sizes_E = jnp.bincount(flat_ids, length=E)
-  xs = jnp.take(x_TxD, order // K, axis=0)                # [T*k, D] sorted copies
-  h = activation(grouped_matmul(xs, gate_ExDxF, sizes_E, impl=impl)) * grouped_matmul(xs, up_ExDxF, sizes_E, impl=impl)
-  ys = grouped_matmul(h, down_ExFxD, sizes_E, impl=impl)  # [T*k, D], sorted
-  y_TxKxD = jnp.take(ys, jnp.argsort(order), axis=0).reshape(T, K, -1)
+  y_TxKxD = _grouped_mlp(x_TxD, jnp.arange(T * K) // K, ids_TxK.reshape(-1), gate_ExDxF, up_ExDxF, down_ExFxD,
+                         activation, impl).reshape(T, K, -1)
   return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
 
 

@@ -6,6 +6,12 @@ import math
 import jax
 import numpy as np
 
+# The mesh's axes, in device order (`tensor` innermost, so its collectives stay on the nearest chips), and the ones
+# that split examples. `expert` is data-parallel outside the MoE layers and holds a share of the experts inside
+# them (`kernels.moe`), as MaxText and GShard lay expert parallelism out.
+AXIS_NAMES = ("data", "fsdp", "expert", "tensor")
+DATA_AXES = ("data", "fsdp", "expert")
+
 
 def target_platform() -> str:
   """That of the devices of the mesh set by `jax.set_mesh` (a TPU topology's when compiling ahead of time for one
@@ -21,9 +27,9 @@ def static_window(window) -> bool:
 
 
 def row_axes(rows: int) -> tuple[str, ...] | None:
-  """The data-parallel axes of the current mesh ('data', 'fsdp', those larger than 1) for a shard_map spec of
+  """The data-parallel axes of the current mesh (`DATA_AXES`, those larger than 1) for a shard_map spec of
   `rows` leading rows: None (rows whole on every device) without a mesh or where they do not split evenly."""
   mesh = jax.sharding.get_abstract_mesh()
   sizes = {} if mesh.empty else dict(mesh.shape)
-  axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+  axes = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
   return axes if axes and rows % math.prod(sizes[a] for a in axes) == 0 else None

@@ -14,17 +14,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jalign.kernels.target import AXIS_NAMES, DATA_AXES
+
 AXES = "axes"  # nnx.Param metadata key holding the parameter's logical axis names
 
-# Training layout: FSDP over `fsdp` on the model dimension, Megatron-style TP over `tensor` on heads / MLP / vocab.
+# Training layout: FSDP over `fsdp` (and `expert`) on the model dimension, Megatron-style TP over `tensor` on heads /
+# MLP / vocab, routed experts split over `expert`.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", DATA_AXES),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # An expert's weights take `expert` for the experts dimension first, so on them `embed` gets `fsdp` alone.
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    ("experts", None),
+    ("experts", "expert"),
     ("expert_mlp", "tensor"),
     ("router", None),
     ("head_dim", None),
@@ -37,20 +41,24 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def without_fsdp(rules=DEFAULT_RULES):
-  """The sampling layout (tunix / Levanter style): the same rules with the 'fsdp' axis dropped, so weights are
-  replicated across FSDP shards (still split over 'tensor') and a decode step all-gathers nothing."""
+  """The sampling layout (tunix / Levanter style): the same rules with the 'fsdp' axis dropped (and 'expert' but
+  for the experts themselves), so weights are replicated across FSDP shards (still split over 'tensor', routed
+  experts over 'expert') and a decode step all-gathers nothing."""
   out = []
   for name, target in rules:
     axes = (target,) if isinstance(target, str) else tuple(target or ())
-    kept = tuple(a for a in axes if a != "fsdp")
+    kept = tuple(a for a in axes if a != "fsdp" and (a != "expert" or name == "experts"))
     out.append((name, kept[0] if len(kept) == 1 else (kept or None)))
   return tuple(out)
 
 
-def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh with Auto axes; one entry may be -1 (the remaining devices)."""
+def make_mesh(shape: tuple[int, ...], devices=None) -> Mesh:
+  """An `AXIS_NAMES` mesh with Auto axes from sizes (data, fsdp, tensor) or (data, fsdp, tensor, expert), expert 1
+  when not given; one entry may be -1 (the remaining devices)."""
   devices = np.asarray(devices if devices is not None else jax.devices())
-  shape = list(shape)
+  if len(shape) not in (3, 4):
+    raise ValueError(f"mesh shape {tuple(shape)}: sizes (data, fsdp, tensor) or (data, fsdp, tensor, expert)")
+  shape = list(shape) + [1] * (4 - len(shape))
   if shape.count(-1) > 1:
     raise ValueError(f"mesh shape {tuple(shape)}: at most one axis may be -1")
   if -1 in shape:
@@ -58,8 +66,9 @@ def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
     shape[shape.index(-1)] = devices.size // rest
   if int(np.prod(shape)) != devices.size:
     raise ValueError(f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices; {devices.size} available")
-  return jax.make_mesh(tuple(shape), ("data", "fsdp", "tensor"), devices=devices.tolist(),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  data, fsdp, tensor, expert = shape
+  return jax.make_mesh((data, fsdp, expert, tensor), AXIS_NAMES, devices=devices.tolist(),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
 def logical_to_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_RULES) -> P:

@@ -1,7 +1,7 @@
 """Mesh, logical-axis rules and shardings for parameters, optimizer state and batches.
 
 Convention: Auto axis types (see jalign.models.sharding); parameters carry explicit NamedShardings, batches are
-split over ('data', 'fsdp') on their leading axis, optimizer state follows its parameter, scalars are replicated.
+split over the data-parallel axes ('data', 'fsdp', 'expert') on their leading axis, optimizer state follows its parameter, scalars are replicated.
 """
 from jalign.parallel.shardings import (
                                       batch_sharding,

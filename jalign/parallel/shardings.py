@@ -8,22 +8,25 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jalign.kernels.target import DATA_AXES
 from jalign.models.sharding import DEFAULT_RULES, make_mesh
 
 
-def mesh_from_config(shape: tuple[int, int, int], devices=None) -> Mesh:
-  """('data', 'fsdp', 'tensor') over the devices of all processes (or `devices`, e.g. a TPU compile target's); one
+def mesh_from_config(shape: tuple[int, ...], devices=None) -> Mesh:
+  """(data, fsdp, tensor[, expert]) sizes over the devices of all processes (or `devices`, e.g. a TPU compile target's); one
   entry may be -1 for the remaining ones. Without -1 the mesh may be smaller than the machine: it takes the first
   devices."""
   devices = list(jax.devices() if devices is None else devices)
   fixed = int(np.prod([s for s in shape if s != -1]))
-  if any(s == 0 or s < -1 for s in shape) or fixed > len(devices) or (-1 in shape and len(devices) % fixed):
+  if (len(shape) not in (3, 4) or any(s == 0 or s < -1 for s in shape) or fixed > len(devices)
+      or (-1 in shape and len(devices) % fixed)):
     raise ValueError(f"mesh.shape={tuple(shape)} does not fit the {len(devices)} available devices "
-                     "(positive sizes whose product is at most the device count, or -1 once for the rest)")
+                     "((data, fsdp, tensor) or (data, fsdp, tensor, expert): positive sizes whose product is at most "
+                     "the device count, or -1 once for the rest)")
   return make_mesh(tuple(shape), devices if -1 in shape else devices[:fixed])
 
 
-def split_meshes(shape: tuple[int, int, int], rollout_shape: tuple = (), devices=None) -> tuple[Mesh, Mesh | None]:
+def split_meshes(shape: tuple[int, ...], rollout_shape: tuple = (), devices=None) -> tuple[Mesh, Mesh | None]:
   """The training mesh and, with `rollout_shape`, a sampling mesh of its own over devices set apart: each process's
   last prod(rollout_shape) / process-count local devices, so both meshes span every process (a program on either
   involves every process's own devices and none of the other mesh's). The training mesh takes the rest (its -1
@@ -33,8 +36,8 @@ def split_meshes(shape: tuple[int, int, int], rollout_shape: tuple = (), devices
   devices = list(jax.devices() if devices is None else devices)
   processes = sorted({d.process_index for d in devices})
   r = int(np.prod(rollout_shape))
-  if len(rollout_shape) != 3 or min(rollout_shape) < 1 or r % len(processes) or r >= len(devices):
-    raise ValueError(f"grpo.rollout_mesh={tuple(rollout_shape)}: three positive sizes (data, fsdp, tensor) whose "
+  if len(rollout_shape) not in (3, 4) or min(rollout_shape) < 1 or r % len(processes) or r >= len(devices):
+    raise ValueError(f"grpo.rollout_mesh={tuple(rollout_shape)}: positive sizes (data, fsdp, tensor[, expert]) whose "
                      f"product is below the {len(devices)} devices and a multiple of the {len(processes)} processes")
   per = r // len(processes)
   apart = [d for p in processes for d in [x for x in devices if x.process_index == p][-per:]]
@@ -51,8 +54,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, leading_micro_axis: bool = False) -> NamedSharding:
-  """Examples split over the data-parallel axes ('data', 'fsdp'); an optional micro-batch axis in front."""
-  spec = (None, ("data", "fsdp")) if leading_micro_axis else (("data", "fsdp"),)
+  """Examples split over the data-parallel axes (`DATA_AXES`); an optional micro-batch axis in front."""
+  spec = (None, DATA_AXES) if leading_micro_axis else (DATA_AXES,)
   return NamedSharding(mesh, P(*spec))
 
 
@@ -77,6 +80,8 @@ def fetching(fn, host_tree):
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-  shape: tuple[int, int, int] = (1, -1, 1)   # ('data', 'fsdp', 'tensor'); -1 = the remaining devices; without
-                                             # -1, a mesh smaller than the machine uses the first devices
+  shape: tuple[int, ...] = (1, -1, 1)        # (data, fsdp, tensor) or (data, fsdp, tensor, expert); -1 = the
+                                             # remaining devices; without -1, a mesh smaller than the machine uses
+                                             # the first devices. `expert` splits MoE models' experts (and, like
+                                             # fsdp, the examples and the other weights); 1 when not given
   rules: tuple = DEFAULT_RULES               # logical axis -> mesh axis / tuple of axes / None

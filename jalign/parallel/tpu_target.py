@@ -105,7 +105,7 @@ def target(name: str) -> Target:
 
 
 def chip_mesh(name: str):
-  """A ('data', 'fsdp', 'tensor') mesh of one chip of `name`'s slice: to compile a kernel or a step for one chip."""
+  """A mesh of one chip of `name`'s slice: to compile a kernel or a step for one chip."""
   from jalign.models.sharding import make_mesh
   return make_mesh((1, 1, 1), target(name).devices[:1])
 

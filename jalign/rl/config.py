@@ -55,7 +55,7 @@ class GrpoSection:
   # sampler log-probs are the behaviour policy's: the clipped ratio is taken against them, or with a rollout
   # correction (rollout_is / rollout_rs) against the policy before the update. 0 = synchronous.
   async_staleness: int = bounded(0, ge=0)
-  # Sampling on devices of its own: a ('data', 'fsdp', 'tensor') mesh over each process's last devices (its product
+  # Sampling on devices of its own: a (data, fsdp, tensor[, expert]) mesh over each process's last devices (its product
   # a multiple of the process count), the training mesh (mesh.shape) over the rest; the policy's weights are copied
   # across when a rollout is submitted. With async_staleness the update and the generation then run side by side
   # rather than interleaved on shared devices. () = sampling on the training mesh.
@@ -140,9 +140,9 @@ def check(cfg, dp: int) -> None:
   mb_rows = rows // g.mini_batches
   if mb_rows % dp:
     raise ConfigError(f"config.grpo: {mb_rows} completions per mini-batch do not split over data-parallel size "
-                      f"(data x fsdp = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
+                      f"(data x fsdp x expert = {dp}); change grpo.prompts_per_step, sampling.num_samples, "
                       "grpo.mini_batches or mesh.shape")
   unit_rows = g.prompts_per_step // g.compact_sizes * s.num_samples // g.mini_batches if g.compact_sizes else 0
   if unit_rows % dp:
     raise ConfigError(f"config.grpo.compact_sizes={g.compact_sizes}: a size step of {unit_rows} completions per "
-                      f"mini-batch does not split over data-parallel size (data x fsdp = {dp}); use fewer sizes")
+                      f"mini-batch does not split over data-parallel size (data x fsdp x expert = {dp}); use fewer sizes")

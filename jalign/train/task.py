@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -17,6 +18,7 @@ from jalign.config import RunConfig
 from jalign.data import pipeline
 from jalign.data.scan import scan
 from jalign.data.sources import open_source
+from jalign.kernels.target import DATA_AXES
 from jalign.models import lora
 from jalign.objectives import router
 from jalign.parallel.distributed import say
@@ -304,7 +306,7 @@ def _make_eval_loss(cfg: RunConfig, s: Setup, task: Task, encode_fn, batch_shard
   """Held-out loss and the objective's metrics (eval/<name>), weighted like the training loss."""
   loss_fn = task.make_loss_fn(s.graphdef)
   sums_fn = jax.jit(loss_fn)
-  dp_local = max(1, s.mesh.shape["data"] * s.mesh.shape["fsdp"] // jax.process_count())
+  dp_local = max(1, math.prod(s.mesh.shape[a] for a in DATA_AXES) // jax.process_count())
 
   def evaluate(params) -> dict:
     it, _, _ = data_iterator(cfg, cfg.data.eval, encode_fn, train=False, task=task)

@@ -1,6 +1,8 @@
 """The MoE kernels: grouped matmul and the dropless experts MLP against dense NumPy / all-experts references (value
 and gradient, ragged groups with empty experts), routing against the softmax-top-k formula, and the megablox kernel
 in interpret mode and compiled for a TPU."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +109,34 @@ def test_experts_mlp_equals_numpy_per_token_and_the_dense_reference_with_gradien
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   for dw in grouped[2:]:
     assert np.all(np.asarray(dw)[-2:] == 0)  # the unchosen experts
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 1, 2, 2), (1, 2, 1, 4)])
+def test_expert_parallel_experts_mlp_equals_one_device_under_skewed_routing(shape):
+  """8 experts split over the mesh's `expert` axis (2 per device at 4): every token's copies go to the first three
+  experts, all on one device (the worst case for the exchange: one device receives every copy, the others none),
+  and experts 6-7 stay empty. Value and gradient equal the dense reference on one device; an expert count the axis
+  does not divide is refused by name."""
+  from jalign.models.sharding import make_mesh
+  x, ids, weights, gate, up, down = _experts(t=48)
+  ids = np.stack([np.random.RandomState(t).choice(3, 2, replace=False) for t in range(48)]).astype(np.int32)
+  args = tuple(map(jnp.asarray, (x, ids, weights, gate, up, down)))
+  cot = jnp.asarray(np.random.RandomState(4).randn(*x.shape).astype(np.float32))
+  wrt = (0, 2, 3, 4, 5)
+
+  def value_and_grad(fn):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a, jax.nn.silu) * cot), argnums=wrt))(*args)
+
+  want = value_and_grad(moe.reference)
+  mesh = make_mesh(shape, jax.devices()[:int(np.prod(shape))])
+  with jax.set_mesh(mesh):
+    got = value_and_grad(functools.partial(moe.experts_mlp, impl="xla"))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for a, b in zip(got[1], want[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  with jax.set_mesh(make_mesh((1, 1, 1, 3), jax.devices()[:3])):
+    with pytest.raises(ValueError, match="8 experts do not split over the mesh's expert axis of 3"):
+      moe.experts_mlp(*args, jax.nn.silu)
 
 
 def test_megablox_experts_mlp_compiles_for_a_tpu_with_its_gradient():

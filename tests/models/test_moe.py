@@ -45,28 +45,38 @@ def test_parameter_counts_equal_transformers(family, tmp_path):
       cfg.num_experts - cfg.experts_per_token)
 
 
-def test_an_moe_model_on_an_8_device_mesh_equals_one_device_value_and_gradient(tmp_path):
-  """fsdp=4 over the model dimension, tensor=2 over each expert's hidden dimension (and heads / shared MLP); traced
-  under the mesh, the experts run in `shard_map` (each device routing its own rows, the down projection's partial
-  sums added over `tensor`), without it XLA partitions them."""
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 2, 2), (2, 1, 1, 3), (1, 1, 1, 6)])
+def test_an_moe_model_on_a_mesh_equals_one_device_value_and_gradient(shape, tmp_path):
+  """fsdp over the model dimension, tensor over each expert's hidden dimension (and heads / shared MLP), expert over
+  the 6 experts (expert parallelism: token copies exchanged by all-to-all; with 6 the batch's rows do not split over
+  the data-parallel axes, so each device routes every row). Traced under the mesh, the experts run in `shard_map`;
+  without it XLA partitions them."""
   model = ref.build("qwen2_moe")
   path = ref.save(model, tmp_path / "m")
   lm1 = models.from_pretrained(path)
-  mesh = models.make_mesh((2, 2, 2))
+  devices = jax.devices()[:int(np.prod(shape))]
+  mesh = models.make_mesh(shape, devices)
   lm8 = models.from_pretrained(path, mesh=mesh)
   shards = lm8.layers.expert_gate[...].addressable_shards
-  assert {s.data.shape for s in shards} == {(3, 6, 32 // 2, 24 // 2)}
+  data, fsdp, tensor, expert = (tuple(shape) + (1,))[:4]
+  assert {s.data.shape for s in shards} == {(3, 6 // expert, 32 // fsdp, 24 // tensor)}
   ids, mask = ref.batch(model.config.vocab_size)
   cot = jnp.asarray(np.random.RandomState(0).randn(*ids.shape, model.config.vocab_size), jnp.float32)
 
-  def value_and_grad(lm):
+  def value_and_grad(lm, hlo=None):
     graphdef, params = nnx.split(lm)
     loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(ids), jnp.asarray(mask)) * cot)  # noqa: E731
-    return jax.jit(jax.value_and_grad(loss))(params)
+    step = jax.jit(jax.value_and_grad(loss))
+    if hlo is not None:
+      hlo.append(step.lower(params).as_text())
+    return step(params)
 
   v1, g1 = value_and_grad(lm1)
+  hlo = []
   with jax.set_mesh(mesh):
-    in_mesh = value_and_grad(lm8)
+    in_mesh = value_and_grad(lm8, hlo)
+  # Expert parallelism: the copies go out and come back by all-to-all, forward and backward (per layer, scanned).
+  assert hlo[0].count("all_to_all") >= (4 if expert > 1 else 0) and ("all_to_all" in hlo[0]) == (expert > 1)
   for v8, g8 in (value_and_grad(lm8), in_mesh):
     np.testing.assert_allclose(v8, v1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):

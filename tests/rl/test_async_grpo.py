@@ -68,7 +68,8 @@ def test_rollout_mesh_takes_each_process_last_devices_and_bad_shapes_name_the_ke
   train, rollout = parallel.split_meshes((1, -1, 1), (2, 1, 1), devices)
   assert [d.id for d in rollout.devices.flat] == [6, 7] and train.shape["fsdp"] == 6
   assert set(rollout.devices.flat).isdisjoint(train.devices.flat)
-  for bad, message in (((0, 1, 1), "three positive sizes"), ((1, 1), "three positive sizes"),
+  for bad, message in (((0, 1, 1), r"positive sizes \(data, fsdp, tensor\[, expert\]\)"),
+                       ((1, 1), r"positive sizes \(data, fsdp, tensor\[, expert\]\)"),
                        ((2, 2, 2), "below the 8 devices")):
     with pytest.raises(ValueError, match=r"grpo\.rollout_mesh=.*" + message):
       parallel.split_meshes((1, -1, 1), bad, devices)

@@ -53,7 +53,7 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
     (dict(advantage__estimator="ppo"), r"config.advantage.estimator: 'ppo' is not accepted; accepted: 'grpo', "
                                       r"'drgrpo', 'rloo', 'gae'"),
     (dict(grpo__prompts_per_step=3, grpo__mini_batches=1), r"12 completions per mini-batch do not split over "
-                                                           r"data-parallel size \(data x fsdp = 8\)"),
+                                                           r"data-parallel size \(data x fsdp x expert = 8\)"),
     (dict(advantage__estimator="reinforce_pp", sampling__num_samples=1), r"dynamic_sampling=True drops groups whose "
                                                                         r"rewards are all equal: with "
                                                                         r"sampling.num_samples=1 every group"),

@@ -157,3 +157,23 @@ def test_the_update_adds_the_router_terms_it_is_given(moe_policy):
   aux_loss = float(sums1["moe/aux_loss"]) / float(den1)
   assert 2.0 <= aux_loss <= 8.0  # k for a balanced router, up to E
   np.testing.assert_allclose(float(num1 - num0), 0.5 * aux_loss * float(den1), rtol=1e-4)
+
+
+def test_expert_parallel_grpo_equals_the_fsdp_run(moe_policy, tmp_path):
+  """The policy's 4 experts split over an `expert` axis of 4 (fsdp 2): sampling and the update exchange token
+  copies by all-to-all, and the run equals the one whose 8 devices all hold every expert (fp32: the same samples,
+  rewards and losses), with replay and the sampler-trainer agreement intact."""
+  runs = {}
+  for shape in ((1, 8, 1), (1, 2, 1, 4)):
+    run_dir = tmp_path / "x".join(map(str, shape))
+    cfg = run_config("grpo", run_dir=str(run_dir), model__path=moe_policy, train__steps=2, grpo__routing_replay=True,
+                     grpo__no_signal="update", mesh__shape=shape, **QUIET)
+    grpo_task.loop.run(cfg, grpo_task.task(cfg))
+    runs[shape] = _steps(run_dir)
+  fsdp, ep = runs.values()
+  assert len(fsdp) == len(ep) == 2
+  for a, b in zip(fsdp, ep):
+    assert b["rollout/routing_mismatch"] == 0.0 and b["rollout/logprob_abs_diff_max"] < 1e-4, b
+    for key in ("critic/score/mean", "response_length/mean"):
+      assert b[key] == a[key], (key, a[key], b[key])
+    np.testing.assert_allclose(b["actor/pg_loss"], a["actor/pg_loss"], rtol=1e-4, atol=1e-6)
