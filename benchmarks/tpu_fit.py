@@ -20,15 +20,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 
 
-def _config(task: str, chips: int, tokens: int, mesh: tuple[int, ...]):
+def _config(task: str, chips: int, tokens: int, mesh: tuple[int, ...], lora_rank: int = 0):
   """configs/<task>.py with the long-context overrides (one sequence or pair per chip; `mesh`'s data x fsdp x
-  expert rows)."""
+  expert rows), LoRA adapters of `lora_rank` if given."""
   from jalign.config import validate
   spec = importlib.util.spec_from_file_location(f"configs_{task}", os.path.join(ROOT, "configs", f"{task}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config(None).to_dict()
   c["model"].update(dtype="bfloat16", remat="full", scan_layers=True)
+  c["model"]["lora"]["rank"] = lora_rank
   c["mesh"]["shape"] = mesh
   rows = mesh[0] * mesh[1] * (mesh[3] if len(mesh) > 3 else 1)
   if task == "grpo":  # groups of 8 samples; one mini-batch of `rows` completions, prompt 1/8 of the length
@@ -40,7 +41,7 @@ def _config(task: str, chips: int, tokens: int, mesh: tuple[int, ...]):
   return validate(c, chips)
 
 
-# (name, task, arch, accelerator type, tokens, mesh (data, fsdp, tensor[, expert]))
+# (name, task, arch, accelerator type, tokens, mesh (data, fsdp, tensor[, expert])[, LoRA rank])
 CASES = [(f"{task} 8b {acc} {t // 1024}k", task, "llama3-8b", acc, t, (1, chips, 1))
          for acc, chips in (("v5p-8", 4), ("v6e-8", 8)) for task in ("sft", "dpo", "grpo")
          for t in (4096, 8192, 32768)]
@@ -52,7 +53,10 @@ CASES += [(f"grpo 70b v5p-64 {t // 1024}k", "grpo", "llama3-70b", "v5p-64", t, (
 CASES += [(f"{task} 30b-a3b {acc} 8k{' ep' if len(mesh) > 3 else ''}", task, "qwen3-30b-a3b", acc, 8192, mesh)
           for task in ("sft", "grpo") for acc, chips in (("v5p-8", 4), ("v6e-8", 8))
           for mesh in ((1, chips, 1), (1, 1, 1, chips))]
-CASES += [("grpo 235b-a22b v5p-64 8k ep", "grpo", "qwen3-235b-a22b", "v5p-64", 8192, (1, 4, 1, 8))]
+CASES += [(f"{task} 30b-a3b v6e-8 8k lora{' ep' if len(mesh) > 3 else ''}", task, "qwen3-30b-a3b", "v6e-8", 8192, mesh,
+           16) for task in ("sft", "grpo") for mesh in ((1, 8, 1), (1, 1, 1, 8))]
+CASES += [(f"grpo 235b-a22b v5p-64 8k{' ep' if len(mesh) > 3 else ''}", "grpo", "qwen3-235b-a22b", "v5p-64", 8192,
+           mesh) for mesh in ((1, 32, 1), (1, 4, 1, 8), (1, 2, 1, 16))]
 
 
 def main():
@@ -64,13 +68,13 @@ def main():
   from jalign.parallel import tpu_target
   print(f"{'case':28s} {'mesh':>9s} {'params':>8s} {'optim':>8s} {'peak':>8s} {'HBM':>6s} {'fits':>5s} "
         f"{'step >=':>8s} {'compile':>8s}")
-  for name, task, arch, acc, tokens, mesh in CASES:
+  for name, task, arch, acc, tokens, mesh, *lora_rank in CASES:
     if args.only not in name:
       continue
     target = tpu_target.target(acc)
     start = time.perf_counter()
     try:
-      r = fit.report(_config(task, target.num_chips, tokens, mesh), arch, target)
+      r = fit.report(_config(task, target.num_chips, tokens, mesh, *lora_rank), arch, target)
     except Exception as e:  # noqa: BLE001  out of memory at compile time is a result too
       print(f"{name:28s} {'x'.join(map(str, mesh)):>9s} failed: {str(e).splitlines()[0][:120]}", flush=True)
       continue
