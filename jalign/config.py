@@ -143,12 +143,13 @@ READS = {
 _RL_TRAIN = {"batch_size": "a step's batch is grpo.prompts_per_step x sampling.num_samples completions",
              "micro_batches": "a step's updates are grpo.mini_batches",
              "eval_batches": "held-out prompts are grpo.eval_prompts", "eval_examples": "see grpo.eval_examples"}
-_ROUTER = {k: "MoE router terms train with SFT, DPO, GRPO and PPO" for k in ("router_aux_loss", "router_z_loss")}
+_ROUTER = {k: "MoE router terms train with SFT, RM, DPO, offline / GKD distillation, GRPO and PPO"
+           for k in ("router_aux_loss", "router_z_loss")}
 _CAPACITY = {"moe_capacity_factor": "RL and sampling route dropless (capacity drops depend on the batch, so the "
                                     "sampler's experts would differ from the trainer's); SFT and DPO read it"}
 UNREAD_KEYS = {"grpo": {"train": _RL_TRAIN}, "ppo": {"train": _RL_TRAIN}, "distill:on_policy": {"train": _RL_TRAIN}}
 for _task in READS:
-  if _task not in ("sft", "dpo", "grpo", "ppo"):
+  if _task not in ("sft", "rm", "dpo", "distill", "distill:gkd", "grpo", "ppo"):
     UNREAD_KEYS.setdefault(_task, {})["model"] = dict(_ROUTER)
   if _task not in ("sft", "dpo"):
     UNREAD_KEYS.setdefault(_task, {}).setdefault("model", {}).update(_CAPACITY)

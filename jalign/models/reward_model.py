@@ -36,10 +36,14 @@ class RewardModel(nnx.Module):
             dropout_rng: jax.Array | None = None) -> jax.Array:
     """Scores [B] of (right- or left-) padded sequences; `segment_ids` is 1 on real tokens, 0 on padding. Pure and
     jittable: RL loops call it inside their own jitted scoring step."""
+    return self.score_routed(tokens_BxT, segment_ids_BxT, positions_BxT, dropout_rng)[0]
+
+  def score_routed(self, tokens_BxT, segment_ids_BxT, positions_BxT=None, dropout_rng=None):
+    """`score`, and an MoE backbone's `Routing` (None for a dense one)."""
     if positions_BxT is None:
       positions_BxT = jnp.maximum(jnp.cumsum(segment_ids_BxT, axis=1) - 1, 0)
-    hidden, _ = self.backbone.forward(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT,
-                                      dropout_rng=dropout_rng)
+    hidden, _, routing = self.backbone.forward_routed(tokens_BxT, segment_ids=segment_ids_BxT,
+                                                      positions=positions_BxT, dropout_rng=dropout_rng)
     last = last_token_index(segment_ids_BxT)
     hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # the head on one token per row
-    return self.head(hidden_last)[:, 0]
+    return self.head(hidden_last)[:, 0], routing

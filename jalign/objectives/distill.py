@@ -25,6 +25,7 @@ from jalign import kernels
 from jalign.core.sections import bounded
 from jalign.kernels.logprobs import AUTO_XLA_VOCAB
 from jalign.losses.distill import topk_divergence
+from jalign.objectives import router
 from jalign.objectives.sft import targets_and_weights
 
 MODES = ("offline", "gkd", "on_policy")
@@ -51,21 +52,23 @@ class DistillSection:
 
 
 def make_loss_fn(student_graphdef, teacher_graphdef, d: DistillSection, *, vocab: int,
-                 logprobs: kernels.LogprobOptions = kernels.LogprobOptions()):
+                 logprobs: kernels.LogprobOptions = kernels.LogprobOptions(),
+                 router_loss: router.RouterLoss = router.RouterLoss()):
   """loss_fn((student_params, teacher_params), batch) -> (loss_sum, weight, metric_sums) on SFT batches (packed or
   bucketed rows): the divergence summed over the completion tokens, plus `sft_weight` x their NLL. Both models'
   distributions are over the first `vocab` ids (the ids the tokenizers share; padded embedding rows left out).
 
   A batch with the teacher's precomputed top-k (`topk_ids`, `topk_logp` [B, T, k]: a replay buffer's, written with
   rollout.teacher_top_k) needs no teacher: the divergence is over those k tokens and the rest of the vocabulary
-  (`losses.distill.topk_divergence`); teacher_params may then be None."""
+  (`losses.distill.topk_divergence`); teacher_params may then be None. An MoE student adds `router_loss`'s penalty
+  per completion token and reports the routing metrics (as SFT); the teacher's router trains nothing."""
   impl = "xla" if vocab <= AUTO_XLA_VOCAB else "auto"
 
   def loss_fn(params, batch):
     student_params, teacher_params = params
     lm = nnx.merge(student_graphdef, student_params)
     where = dict(segment_ids=batch["segment_ids"], positions=batch["positions"])
-    hidden, _ = lm.forward(batch["tokens"], **where, dropout_rng=batch.get("dropout_rng"))
+    hidden, _, routing = lm.forward_routed(batch["tokens"], **where, dropout_rng=batch.get("dropout_rng"))
     targets, weights = targets_and_weights(batch)
     unembed, cap = lm.unembed()[:, :vocab], lm.cfg.final_softcap
     logp = lse = None
@@ -86,6 +89,10 @@ def make_loss_fn(student_graphdef, teacher_graphdef, d: DistillSection, *, vocab
       nll = -jnp.sum(logp * weights)
       sums["distill/nll"] = nll
       loss = loss + d.sft_weight * nll
+    if routing is not None:
+      penalty, metrics = router.terms(routing, lm.cfg, router_loss)
+      loss = loss + penalty * jnp.sum(weights)
+      sums.update({k: v * jnp.sum(weights) for k, v in metrics.items()})
     return loss, jnp.sum(weights), sums
   return loss_fn
 

@@ -17,29 +17,38 @@ from flax import nnx
 from jalign.core.errors import ConfigError
 from jalign.core.sections import bounded
 from jalign.models.reward_model import RewardModel, last_token_index
+from jalign.objectives import router
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardLossConfig:
   center_rewards_coefficient: float = 0.0
+  router: router.RouterLoss = router.RouterLoss()  # MoE backbones: the router terms (the checkpoint's, as SFT)
 
 
 def pair_scores(rm: RewardModel, batch: dict) -> jax.Array:
   """[B, 2] scores (chosen, rejected) of a preference batch laid out [B, 2, L]. A batch in the split layout
   (`prompt_mask`, see `data.preference.split_pair_batch`) runs each pair's prompt once, under both completions."""
+  return pair_scores_routed(rm, batch)[0]
+
+
+def pair_scores_routed(rm: RewardModel, batch: dict):
+  """`pair_scores`, and an MoE backbone's `Routing` over the batch (None for a dense one)."""
   b, two, length = batch["tokens"].shape
   flat = {k: batch[k].reshape(b * two, length) for k in ("tokens", "segment_ids", "positions")}
   if "prompt_mask" not in batch:
-    return rm.score(flat["tokens"], flat["segment_ids"], flat["positions"], batch.get("dropout_rng")).reshape(b, two)
+    scores, routing = rm.score_routed(flat["tokens"], flat["segment_ids"], flat["positions"],
+                                      batch.get("dropout_rng"))
+    return scores.reshape(b, two), routing
   p = batch["prompt_mask"].shape[1]
   # One padding column on the right, so that the states read cover the completion's last column too.
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))  # noqa: E731
-  hidden = rm.backbone.response_hidden(pad(flat["tokens"]), segment_ids=pad(flat["segment_ids"]),
-                                       positions=pad(flat["positions"]), response_len=length - p + 1,
-                                       group_size=two, dropout_rng=batch.get("dropout_rng"))
+  hidden, routing = rm.backbone.response_routed(pad(flat["tokens"]), segment_ids=pad(flat["segment_ids"]),
+                                                positions=pad(flat["positions"]), response_len=length - p + 1,
+                                                group_size=two, dropout_rng=batch.get("dropout_rng"))
   last = last_token_index(flat["segment_ids"][:, p:]) + 1  # hidden[:, j] is column p - 1 + j
   hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
-  return rm.head(hidden_last)[:, 0].reshape(b, two)
+  return rm.head(hidden_last)[:, 0].reshape(b, two), routing
 
 
 def pair_losses(chosen_B, rejected_B, margin_B, cfg: RewardLossConfig):
@@ -54,14 +63,17 @@ def pair_losses(chosen_B, rejected_B, margin_B, cfg: RewardLossConfig):
 def make_loss_fn(graphdef, cfg: RewardLossConfig):
   def loss_fn(params, batch):
     rm = nnx.merge(graphdef, params)
-    scores = pair_scores(rm, batch)
+    scores, routing = pair_scores_routed(rm, batch)
     chosen, rejected = scores[:, 0], scores[:, 1]
     diff = chosen - rejected
     losses = pair_losses(chosen, rejected, batch["margin"], cfg)
     n = jnp.asarray(losses.shape[0], jnp.float32)
     sums = {"accuracy": jnp.sum((diff > 0).astype(jnp.float32)), "margin": jnp.sum(diff),
             "rewards/chosen": jnp.sum(chosen), "rewards/rejected": jnp.sum(rejected)}
-    return jnp.sum(losses), n, sums
+    if routing is None:
+      return jnp.sum(losses), n, sums
+    penalty, metrics = router.terms(routing, rm.cfg, cfg.router)  # per pair, like the loss
+    return jnp.sum(losses) + penalty * n, n, {**sums, **{k: v * n for k, v in metrics.items()}}
   return loss_fn
 
 

@@ -154,7 +154,7 @@ class DistillTask(SftTask):
 
   def make_loss_fn(self, graphdef):
     return objective.make_loss_fn(graphdef, self.teacher and self.teacher.graphdef, self.cfg.distill,
-                                  vocab=self.vocab, logprobs=self.cfg.logprobs)
+                                  vocab=self.vocab, logprobs=self.cfg.logprobs, router_loss=self.router_loss())
 
   def jit_update(self, mesh, t, optimizer, schedule):
     t = dataclasses.replace(t, frozen=(t.frozen, self.teacher and self.teacher.params),

@@ -71,7 +71,8 @@ class RewardTask(PreferenceTask):
     return load_reward_model(cfg, mesh)
 
   def make_loss_fn(self, graphdef):
-    return objective.make_loss_fn(graphdef, objective.RewardLossConfig(self.cfg.rm.center_rewards_coefficient))
+    return objective.make_loss_fn(graphdef, objective.RewardLossConfig(self.cfg.rm.center_rewards_coefficient,
+                                                                       self.router_loss()))
 
   def start(self, setup: Setup) -> None:
     super().start(setup)

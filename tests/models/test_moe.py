@@ -171,10 +171,10 @@ def test_router_settings_on_a_dense_model_or_a_task_without_router_terms_are_err
   with pytest.raises(ConfigError, match=r"router_aux_loss=0.01, router_z_loss=0.0: the model \(llama\) has no experts"):
     router.coefficients(dense, router.RouterLoss(0.01, 0.0))
   assert router.coefficients(dense, router.RouterLoss(None)) == (0.0, 0.0)
-  with pytest.raises(ConfigError, match=r"config.model.router_z_loss.*MoE router terms train with SFT, DPO, GRPO "
-                                        r"and PPO"):
-    run_config("rm", model__router_z_loss=0.001)
-  run_config("grpo", model__router_z_loss=0.001)
+  with pytest.raises(ConfigError, match=r"config.model.router_z_loss.*MoE router terms train with SFT, RM, DPO"):
+    run_config("rollout", model__router_z_loss=0.001)
+  for task, arg in (("grpo", "tiny"), ("rm", "tiny"), ("distill", "tiny,offline"), ("distill", "tiny,gkd")):
+    run_config(task, arg, model__router_z_loss=0.001)
 
 
 def test_upcycling_a_dense_model_keeps_its_function_and_exports(tmp_path):

@@ -1,6 +1,7 @@
 """An MoE policy through the objectives: SFT from scratch (a Mixtral-architecture model on the built-in task), its
 HF export loaded by transformers, then GRPO from that export, whose sampler (the decode step over the KV cache runs
-the same experts layer) agrees with the trainer's log-probs, and DPO from it; each logs the router's metrics."""
+the same experts layer) agrees with the trainer's log-probs, DPO and a reward model from it, and an MoE student
+distilled; each logs the router's metrics."""
 import json
 
 import jax.numpy as jnp
@@ -8,8 +9,10 @@ import numpy as np
 import transformers
 
 from jalign import models
+from jalign.tasks import distill as distill_task
 from jalign.tasks import dpo as dpo_task
 from jalign.tasks import grpo as grpo_task
+from jalign.tasks import rm as rm_task
 from jalign.tasks import sft as sft_task
 from tests import hf_reference as ref
 from tests.configs_util import run_config
@@ -54,3 +57,20 @@ def test_moe_sft_from_scratch_then_grpo_from_its_export(tmp_path):
                           model__router_z_loss=0.001, **QUIET))
   rows = [json.loads(line) for line in open(dpo_dir / "metrics.jsonl") if "train/loss" in line]
   assert rows and all(r["moe/z_loss"] > 0 and 1.0 <= r["moe/expert_load_max"] <= 2.0 + 1e-6 for r in rows)
+
+  # A reward model on the MoE backbone (each pair's prompt shared) and an MoE student distilled from the shipped
+  # tiny policy train with their router terms too.
+  rm_dir = tmp_path / "rm"
+  rm_task.run(run_config("rm", run_dir=str(rm_dir), model__path=export, train__steps=2, train__log_every=1,
+                         model__router_aux_loss=0.01, rm__members=(), checkpoint__export_hf=False, **QUIET))
+  distill_dir = tmp_path / "distill"
+  distill_cfg = run_config("distill", "tiny,offline", run_dir=str(distill_dir), train__steps=2, train__log_every=1,
+                           **QUIET)
+  distill_task.run(run_config("distill", "tiny,offline", run_dir=str(distill_dir), train__steps=2,
+                              train__log_every=1, model__arch={**distill_cfg.model.arch.__dict__, **MOE},
+                              model__router_z_loss=0.001, **QUIET))
+  for run in (rm_dir, distill_dir):
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl") if "train/loss" in line]
+    assert rows and all(r["moe/aux_loss"] > 0 and 1.0 <= r["moe/expert_load_max"] <= 2.0 + 1e-6 for r in rows), run
+    assert all(0 < r["moe/router_entropy"] <= np.log(4) + 1e-6 for r in rows)
+  assert all(r["moe/z_loss"] > 0 for r in rows)
