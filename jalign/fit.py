@@ -144,25 +144,31 @@ def report(cfg, arch: str = "", target=None) -> dict:
   b["peak_estimate"] = b["arguments"] + b["temp"] + b["outputs"] - b["aliased"]
   if target is not None:  # the TPU compiler's own peak (its buffer schedule), and a FLOP-bound step time
     b["peak"] = int(getattr(mem, "peak_memory_in_bytes", 0)) or b["peak_estimate"]
-    flops = model_flops(model_cfg, columns["tokens"].shape, out["params_total"], out["trainable_params"])
+    routed_adapters = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
+                          if "expert_" in jax.tree_util.keystr(path)) if m.lora.rank else 0
+    flops = model_flops(model_cfg, columns["tokens"].shape, out["params_total"], out["trainable_params"],
+                        routed_adapters)
     out["target"] = {"chip": target.chip.name, "topology": target.topology, "chips": target.num_chips,
                      "hbm_gib": target.chip.hbm_gib, "model_flops_per_chip": flops / mesh.size,
                      "step_time_lower_bound_s": target.seconds_at_peak(flops / mesh.size)}
   return out
 
 
-def model_flops(model_cfg, tokens_shape, params_total: int, trainable_params: int) -> float:
+def model_flops(model_cfg, tokens_shape, params_total: int, trainable_params: int, routed_adapters: int = 0
+                ) -> float:
   """Matmul FLOPs of one training step on a batch of `tokens_shape` ([..., T]): per token 2 x params forward,
   2 x params for the activations' gradient and 2 x trainable params for the weights' (PaLM, Chowdhery et al. 2022,
   appendix B: 6N per token), an untied input embedding excluded (a lookup), plus causal attention: 2 x T x heads x
   head_dim per token and layer forward (QK^T and PV over half the keys on average), three times that with the
-  backward. An MoE model's parameters count as its active ones (k experts of E per token). Remat's recomputation is
-  not counted: a lower bound on the work."""
+  backward. An MoE model's parameters count as its active ones (k experts of E per token), and so do the LoRA
+  adapters of its routed experts (`routed_adapters` of the trainable ones). Remat's recomputation is not counted: a
+  lower bound on the work."""
   import numpy as np
   tokens, t = int(np.prod(tokens_shape)), int(tokens_shape[-1])
   embed = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.hidden_size
   idle = model_cfg.num_params() - model_cfg.num_params(active=True)  # experts a token does not use
-  trainable_idle = idle if trainable_params == params_total else 0  # adapters never sit on routed experts
+  share = 1 - model_cfg.experts_per_token / model_cfg.num_experts if model_cfg.num_experts else 0
+  trainable_idle = idle if trainable_params == params_total else int(routed_adapters * share)
   dense = 4 * (params_total - embed - idle) + 2 * max(trainable_params - embed - trainable_idle, 0)
   attention = 6 * model_cfg.num_layers * t * model_cfg.num_heads * model_cfg.head_dim
   return float(tokens) * (dense + attention)

@@ -18,6 +18,7 @@ chosen for: the work is k / E of the dense all-experts form (`reference`, kept f
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -54,11 +55,13 @@ def grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Arra
 
   M, K = x_MxK.shape
   N = w_GxKxN.shape[-1]
-  pad = -M % _TILE
-  x = jnp.pad(x_MxK, ((0, pad), (0, 0))) if pad else x_MxK
-  tiling = (_TILE, min(_TILE, K), min(_TILE, N))
-  y = gmm(x, w_GxKxN.astype(x.dtype), group_sizes_G, jnp.float32, tiling, interpret=interpret)
-  return y[:M].astype(x_MxK.dtype)
+  # Mosaic tiles are whole (8, 128) blocks: rows, the contraction and the output padded with zeros to the tile (a
+  # LoRA adapter's rank, 16 say, becomes 128: exact, at 128 / rank times the adapter's own small work).
+  pad_m, pad_k, pad_n = -M % _TILE, -K % _TILE, -N % _TILE
+  x = jnp.pad(x_MxK, ((0, pad_m), (0, pad_k)))
+  w = jnp.pad(w_GxKxN.astype(x.dtype), ((0, 0), (0, pad_k), (0, pad_n)))
+  y = gmm(x, w, group_sizes_G, jnp.float32, (_TILE, _TILE, _TILE), interpret=interpret)
+  return y[:M, :N].astype(x_MxK.dtype)
 
 
 def _blocked(x_MxK, w_GxKxN, sizes_G, block: int):
@@ -103,10 +106,13 @@ def replayed_weights(logits_TxE: jax.Array, ids_TxK: jax.Array, *, normalize: bo
 
 
 def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, gate_ExDxF: jax.Array,
-                up_ExDxF: jax.Array, down_ExFxD: jax.Array, activation: Callable, *, impl: str = "auto"
-                ) -> jax.Array:
+                up_ExDxF: jax.Array, down_ExFxD: jax.Array, activation: Callable, *, impl: str = "auto",
+                adapters: tuple | None = None, adapter_scale: float = 1.0) -> jax.Array:
   """sum_j weights[t, j] * down_e(act(x_t gate_e) * (x_t up_e)), e = ids[t, j]: [T, D] in x's dtype. Dropless: the
   T*k token copies sorted by expert, three grouped matmuls over them, then unsorted.
+
+  `adapters`: per-expert LoRA adapters of gate, up and down, each (A [E, in, r], B [E, r, out]) or None; a
+  projection with one computes x W_e + adapter_scale x (x A_e) B_e, two more grouped matmuls of rank r.
 
   On a mesh (`jax.set_mesh`) it runs under `shard_map`: each device routes its own rows (tokens split over the
   data-parallel axes, `row_axes`), with the experts' hidden dimension split over `tensor` (Megatron-style: the down
@@ -116,8 +122,9 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   kernel needs the shard_map (it is not partitioned automatically); sorting locally also keeps XLA from gathering
   every token to sort them."""
   mesh = jax.sharding.get_abstract_mesh()
+  mlp = functools.partial(_grouped_mlp, activation=activation, impl=impl, scale=adapter_scale)
   if mesh.empty or mesh.size == 1:
-    return _experts_local(x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl)
+    return _experts_local(x_TxD, ids_TxK, weights_TxK, (gate_ExDxF, up_ExDxF, down_ExFxD), adapters, mlp)
   E, _, F = gate_ExDxF.shape
   tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and F % mesh.shape["tensor"] == 0 else None
   ep = mesh.shape.get("expert", 1)
@@ -128,27 +135,33 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   row_spec = row_axes(x_TxD.shape[0])
   rows = P(row_spec)
 
-  def local(x, ids, weights, gate, up, down):
+  def local(x, ids, weights, w, a):
     if expert is None:
-      return _experts_local(x, ids, weights, gate, up, down, activation, impl)[None]
-    return _exchanged(x, ids, weights, gate, up, down, activation, impl, ep)[None]
+      return _experts_local(x, ids, weights, w, a, mlp)[None]
+    return _exchanged(x, ids, weights, w, a, mlp, ep)[None]
 
+  # The down projection's input (the hidden dimension) is split over `tensor`: its adapter's A like its weight, B
+  # whole (its partial sums add up like the weight's). Gate and up: A whole, B split over their output.
+  w_specs = (P(expert, None, tensor), P(expert, None, tensor), P(expert, tensor, None))
+  a_specs = None if adapters is None else tuple(
+      None if a is None else spec for a, spec in zip(adapters, ((P(expert), P(expert, None, tensor)),) * 2 +
+                                                     ((P(expert, tensor, None), P(expert)),)))
   # Each `tensor` shard's partial sums come out stacked and are added outside the shard_map, where the sum's
   # gradient (a broadcast) is XLA's own (Mosaic needs check_vma off, under which a psum would not transpose right).
   partial_SxTxD = jax.shard_map(
-      local, in_specs=(rows, rows, rows, P(expert, None, tensor), P(expert, None, tensor), P(expert, tensor, None)),
-      out_specs=P(tensor, row_spec), axis_names=set(mesh.axis_names), check_vma=False)(
-      x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD)
+      local, in_specs=(rows, rows, rows, w_specs, a_specs), out_specs=P(tensor, row_spec),
+      axis_names=set(mesh.axis_names), check_vma=False)(
+      x_TxD, ids_TxK, weights_TxK, (gate_ExDxF, up_ExDxF, down_ExFxD), adapters)
   return jnp.sum(partial_SxTxD, axis=0)
 
 
-def _exchanged(x_TxD, ids_TxK, weights_TxK, gate_LxDxF, up_LxDxF, down_LxFxD, activation, impl, ep: int):
+def _exchanged(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp, ep: int):
   """`_experts_local` with this device's L = E / ep experts (the `expert` axis's shard `me` holds experts
   [me L, (me + 1) L)): every token copy goes to its expert's device in a slot of a [ep, C, D] buffer (C = T k, so
   nothing is ever dropped, whatever the routing), one all-to-all delivers the buffers, each device runs its experts
   over the copies it received, and a second all-to-all returns the results to the slots they came from."""
   T, K = ids_TxK.shape
-  L = gate_LxDxF.shape[0]
+  L = w[0].shape[0]
   C = T * K
   flat_ids = ids_TxK.reshape(-1)
   order = jnp.argsort(flat_ids, stable=True)            # copies grouped by expert, hence by destination device
@@ -160,29 +173,36 @@ def _exchanged(x_TxD, ids_TxK, weights_TxK, gate_LxDxF, up_LxDxF, down_LxFxD, ac
   send_PxC = jnp.full((ep, C), L, jnp.int32).at[dest_C, slot_C].set(flat_ids[order] % L)  # L: an empty slot
   recv_PxCxD = jax.lax.all_to_all(send_PxCxD, "expert", 0, 0)  # [p] = what device p sent here
   recv_ids = jax.lax.all_to_all(send_PxC, "expert", 0, 0).reshape(-1)
-  y_PxCxD = _grouped_mlp(recv_PxCxD.reshape(ep * C, -1), jnp.arange(ep * C), recv_ids, gate_LxDxF, up_LxDxF,
-                         down_LxFxD, activation, impl).reshape(ep, C, -1)
+  y_PxCxD = mlp(recv_PxCxD.reshape(ep * C, -1), jnp.arange(ep * C), recv_ids, w, adapters).reshape(ep, C, -1)
   back_PxCxD = jax.lax.all_to_all(y_PxCxD, "expert", 0, 0)    # [p] = results of the copies sent to device p
   y_sorted_CxD = back_PxCxD[dest_C, slot_C]
   y_TxKxD = jnp.take(y_sorted_CxD, jnp.argsort(order), axis=0).reshape(T, K, -1)
   return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
 
 
-def _grouped_mlp(x_RxD, row_M, ids_M, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl):
-  """Row `row_M[m]` of x through expert `ids_M[m]`'s MLP, for each m ([M, D]; ids_M = E: none, a zero row)."""
-  E = gate_ExDxF.shape[0]
+def _grouped_mlp(x_RxD, row_M, ids_M, w, adapters, *, activation, impl, scale):
+  """Row `row_M[m]` of x through expert `ids_M[m]`'s MLP, for each m ([M, D]; ids_M = E: none, a zero row). `w`:
+  the (gate, up, down) weights; `adapters`: theirs (`experts_mlp`)."""
+  E = w[0].shape[0]
   order = jnp.argsort(ids_M, stable=True)
   sizes_E = jnp.bincount(ids_M, length=E)  # ids == E (none) fall outside: those rows sort last and come back zero
   xs = jnp.take(x_RxD, row_M[order], axis=0)
-  h = activation(grouped_matmul(xs, gate_ExDxF, sizes_E, impl=impl)) * grouped_matmul(xs, up_ExDxF, sizes_E, impl=impl)
-  ys = grouped_matmul(h, down_ExFxD, sizes_E, impl=impl)
+  adapters = adapters or (None,) * 3
+
+  def proj(x, j):
+    y = grouped_matmul(x, w[j], sizes_E, impl=impl)
+    if adapters[j] is None:
+      return y
+    a, b = adapters[j]
+    return y + scale * grouped_matmul(grouped_matmul(x, a, sizes_E, impl=impl), b, sizes_E, impl=impl)
+
+  ys = proj(activation(proj(xs, 0)) * proj(xs, 1), 2)
   return jnp.take(ys, jnp.argsort(order), axis=0)
 
 
-def _experts_local(x_TxD, ids_TxK, weights_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation, impl):
+def _experts_local(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp):
   T, K = ids_TxK.shape
-  y_TxKxD = _grouped_mlp(x_TxD, jnp.arange(T * K) // K, ids_TxK.reshape(-1), gate_ExDxF, up_ExDxF, down_ExFxD,
-                         activation, impl).reshape(T, K, -1)
+  y_TxKxD = mlp(x_TxD, jnp.arange(T * K) // K, ids_TxK.reshape(-1), w, adapters).reshape(T, K, -1)
   return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
 
 

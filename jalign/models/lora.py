@@ -28,7 +28,11 @@ from jalign.models.sharding import AXES
 PROJECTIONS: dict[str, tuple[str, int]] = {
     "q": ("self_attn.q_proj", 1), "k": ("self_attn.k_proj", 1), "v": ("self_attn.v_proj", 1),
     "o": ("self_attn.o_proj", 2), "gate": ("mlp.gate_proj", 1), "up": ("mlp.up_proj", 1),
-    "down": ("mlp.down_proj", 1)}
+    "down": ("mlp.down_proj", 1), "expert_gate": ("mlp.experts.gate_proj", 1),
+    "expert_up": ("mlp.experts.up_proj", 1), "expert_down": ("mlp.experts.down_proj", 1)}
+# Routed experts' projections: stacked [layers, experts, in, out], so their adapters are one per expert, A [L, E, in,
+# r] and B [L, E, r, out] (the layout of PEFT on per-expert modules), applied by the experts' grouped matmuls.
+EXPERTS = ("expert_gate", "expert_up", "expert_down")
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
 
@@ -57,18 +61,25 @@ def resolve_targets(patterns: tuple[str, ...]) -> tuple[str, ...]:
     if not hits:
       accepted = ", ".join(hf.split(".")[-1] for hf, _ in PROJECTIONS.values())
       raise ConfigError(f"LoRA target {pattern!r} matches no projection; accepted: 'all-linear', {accepted} (or "
-                       "the jalign names q, k, v, o, gate, up, down, or a regex over them)")
+                       "the jalign names q, k, v, o, gate, up, down, expert_gate, expert_up, expert_down, or a regex "
+                       "over them)")
     chosen.extend(h for h in hits if h not in chosen)
   return tuple(name for name in PROJECTIONS if name in chosen)
 
 
 def model_targets(layers, cfg: LoraConfig) -> tuple[str, ...]:
-  """The targeted projections this model has: an MoE model's MLP projections are its shared expert's, absent when
-  it has none (its routed experts take no adapters yet)."""
+  """The targeted projections this model has: an MoE model's dense MLP projections are its shared expert's (absent
+  when it has none), its routed experts' are `EXPERTS` (each pattern that names an MLP projection, as "gate_proj",
+  matches the experts' too, as it does PEFT's per-expert modules)."""
   names = tuple(n for n in resolve_targets(cfg.targets) if hasattr(layers, n))
   if not names:
     raise ConfigError(f"LoRA targets {list(cfg.targets)} match no projection this model has (an MoE model without "
-                      "a shared expert has no dense MLP projections: target q, k, v, o)")
+                      "a shared expert has no dense MLP projections: target q, k, v, o, or the experts)")
+  if cfg.dropout and any(n in EXPERTS for n in names):
+    routed = ", ".join(n for n in names if n in EXPERTS)
+    raise ConfigError(f"LoRA dropout={cfg.dropout} with adapters on routed experts ({routed}): "
+                      "dropout is applied to the dense projections' adapters only; set lora.dropout=0, or target "
+                      "q, k, v, o (and a shared expert's gate, up, down)")
   return names
 
 
@@ -84,17 +95,28 @@ def add_adapters(lm, cfg: LoraConfig, *, seed: int = 0):
   for i, name in enumerate(model_targets(layers, cfg)):
     w = getattr(layers, name)
     in_dims = PROJECTIONS[name][1]
+    lead = 2 if name in EXPERTS else 1  # stacked dims: layers (and experts)
     # The base shards heads / MLP over `tensor` only (FSDP takes its `embed` dim); an adapter has no such second
-    # dim to give FSDP, so those dims take the "lora" rule (fsdp x tensor).
+    # dim to give FSDP, so those dims take the "lora" rule (fsdp x tensor). Experts' adapters keep their weights'
+    # axes: the experts' shard_map takes them split like the weights.
     axes = tuple("lora" if a in ("heads", "kv_heads", "mlp") else a for a in w.get_metadata().get(AXES))
-    shape_in, shape_out = w.shape[1:1 + in_dims], w.shape[1 + in_dims:]
+    shape_in, shape_out = w.shape[lead:lead + in_dims], w.shape[lead + in_dims:]
     bound = 1.0 / math.sqrt(math.prod(shape_in))
-    a = jax.random.uniform(jax.random.fold_in(key, i), (w.shape[0], *shape_in, cfg.rank), jnp.float32, -bound, bound)
-    setattr(layers, name + SUFFIX_A, nnx.Param(a, **{AXES: (*axes[:1 + in_dims], None)}))
-    setattr(layers, name + SUFFIX_B, nnx.Param(jnp.zeros((w.shape[0], cfg.rank, *shape_out), jnp.float32),
-                                                **{AXES: (axes[0], None, *axes[1 + in_dims:])}))
+    a = jax.random.uniform(jax.random.fold_in(key, i), (*w.shape[:lead], *shape_in, cfg.rank), jnp.float32, -bound,
+                           bound)
+    setattr(layers, name + SUFFIX_A, nnx.Param(a, **{AXES: (*axes[:lead + in_dims], None)}))
+    setattr(layers, name + SUFFIX_B, nnx.Param(jnp.zeros((*w.shape[:lead], cfg.rank, *shape_out), jnp.float32),
+                                                **{AXES: (*axes[:lead], None, *axes[lead + in_dims:])}))
   layers.lora = cfg
   return lm
+
+
+def expert_adapters(lp: dict, cfg: LoraConfig | None) -> tuple | None:
+  """The routed experts' adapters (A, B) of gate, up and down, in that order (None for one without), or None when
+  none of them has one: what `kernels.moe.experts_mlp` takes."""
+  if cfg is None or not any(n + SUFFIX_A in lp for n in EXPERTS):
+    return None
+  return tuple((lp[n + SUFFIX_A], lp[n + SUFFIX_B]) if n + SUFFIX_A in lp else None for n in EXPERTS)
 
 
 def project(h, lp: dict, name: str, dense, cfg: LoraConfig | None, dropout_key=None):
@@ -154,9 +176,9 @@ def merge(lm):
   layers = {k: v for k, v in state["layers"].items() if not is_adapter((k,))}
   for name in model_targets(lm.layers, cfg):
     a, b, w = state["layers"][name + SUFFIX_A], state["layers"][name + SUFFIX_B], layers[name]
-    n_layers, rank = a.shape[0], a.shape[-1]
-    delta = jnp.einsum("lir,lro->lio", a.reshape(n_layers, -1, rank).astype(jnp.float32),
-                       b.reshape(n_layers, rank, -1).astype(jnp.float32))
+    stacked, rank = math.prod(a.shape[:2 if name in EXPERTS else 1]), a.shape[-1]  # per layer (and expert)
+    delta = jnp.einsum("lir,lro->lio", a.reshape(stacked, -1, rank).astype(jnp.float32),
+                       b.reshape(stacked, rank, -1).astype(jnp.float32))
     layers[name] = (w.astype(jnp.float32) + cfg.scale * delta.reshape(w.shape)).astype(w.dtype)
   abstract = nnx.eval_shape(lambda: type(lm)(lm.cfg, rngs=nnx.Rngs(0)))  # the same Decoder, built without adapters
   graphdef, plain = nnx.split(abstract)

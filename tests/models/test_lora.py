@@ -27,6 +27,8 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
   """transformers logits with LoRA added by hooks from the adapter tensors (per layer, flattened to 2-D)."""
   hooks = []
   for name in lora.model_targets(lm.layers, cfg):
+    if name in lora.EXPERTS:  # routed experts: no Linear modules to hook (transformers 5 fuses them)
+      continue
     a = np.asarray(getattr(lm.layers, name + lora.SUFFIX_A)[...], np.float32)
     b = np.asarray(getattr(lm.layers, name + lora.SUFFIX_B)[...], np.float32)
     for i, layer in enumerate(model.model.layers):
@@ -47,7 +49,9 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
 @pytest.mark.parametrize("family,targets", [("llama", ("all-linear",)), ("qwen2", ("q_proj", "v_proj", "down")),
                                             ("qwen2_moe", ("all-linear",)), ("qwen3_moe", ("all-linear",))])
 def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, tmp_path):
-  """MoE models: all-linear takes the attention and the shared expert (Qwen2-MoE); the routed experts take none."""
+  """MoE models: all-linear takes the attention, the shared expert (Qwen2-MoE) and the routed experts (one adapter
+  each). The hooks add the dense projections' adapters; with the experts' own randomised too, the reference is
+  transformers on the merged export (its expert loop over W + scale A B, ours the grouped matmuls of W and of A, B)."""
   model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / "in"))
   ids, mask = ref.batch(model.config.vocab_size)
@@ -57,13 +61,25 @@ def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, t
   fresh = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
   np.testing.assert_allclose(fresh, base, atol=1e-6)  # B starts at zero: a fresh adapter changes nothing
 
-  want = {"qwen3_moe": ("q", "k", "v", "o")}.get(family, lora.resolve_targets(targets))
+  experts = ("expert_gate", "expert_up", "expert_down")
+  want = {"qwen3_moe": ("q", "k", "v", "o") + experts}.get(  # qwen3_moe: no shared expert
+      family, tuple(n for n in lora.resolve_targets(targets) if "moe" in family or n not in experts))
   assert lora.model_targets(lm.layers, cfg) == want
   _randomise_adapters(lm)
+  if lm.cfg.num_experts:
+    assert lm.layers.expert_gate_lora_a.shape == (*lm.layers.expert_gate.shape[:3], 4)
+    with_experts = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
+    for name in experts:  # the hooked reference covers the dense projections' adapters
+      getattr(lm.layers, name + lora.SUFFIX_B)[...] = jnp.zeros_like(getattr(lm.layers, name + lora.SUFFIX_B)[...])
   ours = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
   theirs = _torch_lora_logits(model, lm, cfg, ids, mask)
   assert ref.max_diff(ours, theirs, mask) <= 1e-4
   assert ref.max_diff(ours, base, mask) > 1e-2  # the adapters do something
+  if lm.cfg.num_experts:
+    _randomise_adapters(lm)
+    ours = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
+    np.testing.assert_array_equal(ours, with_experts)
+    assert ref.max_diff(ours, theirs, mask) > 1e-3  # the experts' adapters do something
 
   models.save_pretrained(lm, tmp_path / "merged")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
@@ -85,7 +101,8 @@ def test_partition_disable_and_targets():
   assert not np.any(np.asarray(off["layers"]["q_lora_b"])) and off["embed"] is params["embed"]
   assert off["layers"]["q_lora_a"] is not params["layers"]["q_lora_a"]  # never aliases the trained adapters
   assert lora.resolve_targets(("all-linear",)) == tuple(lora.PROJECTIONS)
-  assert lora.resolve_targets(("gate_proj", "up")) == ("gate", "up")
+  # An HF module name matches the routed experts' projections of that name too (as PEFT on per-expert modules).
+  assert lora.resolve_targets(("gate_proj", "up")) == ("gate", "up", "expert_gate")
   with pytest.raises(ValueError, match="matches no projection; accepted: 'all-linear', q_proj"):
     lora.resolve_targets(("qkv_proj",))
   with pytest.raises(ValueError, match="already has LoRA"):
@@ -103,3 +120,16 @@ def test_dropout_only_with_a_key():
   dropped, _ = lm.forward(ids, dropout_rng=jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(again))
   assert float(jnp.max(jnp.abs(dropped - plain))) > 1e-3
+
+
+def test_dropout_with_adapters_on_routed_experts_is_refused_by_name():
+  """Dropout applies to the dense projections' adapters only: on an MoE model all-linear with dropout is an error
+  naming the experts' projections, the attention alone is not."""
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=8, model_type="mixtral", num_experts=4, experts_per_token=2,
+                           moe_intermediate_size=8, norm_topk_prob=True)
+  with pytest.raises(ValueError, match=r"dropout=0.1 with adapters on routed experts \(expert_gate, expert_up, "
+                                       r"expert_down\).*set lora.dropout=0"):
+    lora.add_adapters(models.create(cfg), lora.LoraConfig(rank=2, dropout=0.1))
+  lm = lora.add_adapters(models.create(cfg), lora.LoraConfig(rank=2, dropout=0.1, targets=("q", "v")))
+  assert lora.model_targets(lm.layers, lm.layers.lora) == ("q", "v")
