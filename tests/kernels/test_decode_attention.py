@@ -122,7 +122,7 @@ def _engine_decode_for_tpu(head_dim: int, mesh_shape=(1, 1, 1), slots=64, max_le
                            ("data", "fsdp", "tensor"))
   lay = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(  # noqa: E731
       mesh, P("data") if a.ndim and a.shape[0] == slots else P()))
-  state = jax.tree.map(lay, jax.eval_shape(lambda: engine._init(cfg, slots, max_len, s)))
+  state = jax.tree.map(lay, jax.eval_shape(lambda: engine._init(cfg, slots, max_len, 256, s)))
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
   scalar = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
   with jax.set_mesh(mesh):
