@@ -144,10 +144,8 @@ def report(cfg, arch: str = "", target=None) -> dict:
   b["peak_estimate"] = b["arguments"] + b["temp"] + b["outputs"] - b["aliased"]
   if target is not None:  # the TPU compiler's own peak (its buffer schedule), and a FLOP-bound step time
     b["peak"] = int(getattr(mem, "peak_memory_in_bytes", 0)) or b["peak_estimate"]
-    routed_adapters = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
-                          if "expert_" in jax.tree_util.keystr(path)) if m.lora.rank else 0
     flops = model_flops(model_cfg, columns["tokens"].shape, out["params_total"], out["trainable_params"],
-                        routed_adapters)
+                        lora.routed_adapter_size(params) if m.lora.rank else 0)
     out["target"] = {"chip": target.chip.name, "topology": target.topology, "chips": target.num_chips,
                      "hbm_gib": target.chip.hbm_gib, "model_flops_per_chip": flops / mesh.size,
                      "step_time_lower_bound_s": target.seconds_at_peak(flops / mesh.size)}

@@ -36,6 +36,17 @@ EXPERTS = ("expert_gate", "expert_up", "expert_down")
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
 
+def _stacked(name: str) -> int:
+  """How many leading dims projection `name`'s weight stacks: layers, and experts for a routed expert's."""
+  return 2 if name in EXPERTS else 1
+
+
+def routed_adapter_size(params: dict) -> int:
+  """Parameters of the routed experts' adapters in a (nested, pure) parameter dict."""
+  routed = lambda path: str(path[-1]).removesuffix(SUFFIX_A).removesuffix(SUFFIX_B) in EXPERTS  # noqa: E731
+  return sum(x.size for x in jax.tree.leaves(_filter(params, routed, True)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
   rank: int = 0                                # 0 = no adapters (full fine-tuning)
@@ -95,7 +106,7 @@ def add_adapters(lm, cfg: LoraConfig, *, seed: int = 0):
   for i, name in enumerate(model_targets(layers, cfg)):
     w = getattr(layers, name)
     in_dims = PROJECTIONS[name][1]
-    lead = 2 if name in EXPERTS else 1  # stacked dims: layers (and experts)
+    lead = _stacked(name)
     # The base shards heads / MLP over `tensor` only (FSDP takes its `embed` dim); an adapter has no such second
     # dim to give FSDP, so those dims take the "lora" rule (fsdp x tensor). Experts' adapters keep their weights'
     # axes: the experts' shard_map takes them split like the weights.
@@ -176,7 +187,7 @@ def merge(lm):
   layers = {k: v for k, v in state["layers"].items() if not is_adapter((k,))}
   for name in model_targets(lm.layers, cfg):
     a, b, w = state["layers"][name + SUFFIX_A], state["layers"][name + SUFFIX_B], layers[name]
-    stacked, rank = math.prod(a.shape[:2 if name in EXPERTS else 1]), a.shape[-1]  # per layer (and expert)
+    stacked, rank = math.prod(a.shape[:_stacked(name)]), a.shape[-1]  # per layer (and expert)
     delta = jnp.einsum("lir,lro->lio", a.reshape(stacked, -1, rank).astype(jnp.float32),
                        b.reshape(stacked, rank, -1).astype(jnp.float32))
     layers[name] = (w.astype(jnp.float32) + cfg.scale * delta.reshape(w.shape)).astype(w.dtype)
