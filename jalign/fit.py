@@ -73,7 +73,7 @@ def report(cfg, arch: str = "", target=None) -> dict:
   from jalign import models, parallel, tasks
   from jalign.core.errors import ConfigError
   from jalign.models import lora
-  from jalign.models.config import load_hf_config
+  from jalign.models.hf_config import load_hf_config
   from jalign.train.step import Trainable, TrainState
 
   if cfg.task == "distill":

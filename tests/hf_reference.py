@@ -40,8 +40,12 @@ FAMILIES = {
         num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         num_local_experts=6, num_experts_per_tok=2, intermediate_size=24, sliding_window=4)),
+    # Dense and sparse layers mixed: layer 2's MLP is dense (intermediate_size), layers 0, 1 and 3 routed.
+    "qwen3_moe_dense_layers": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, num_hidden_layers=4,
+        mlp_only_layers=[2])),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_dense_layers")
 
 
 def build(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:

@@ -1,6 +1,6 @@
 """Decoder LM (Flax NNX), scalar heads, and Hugging Face checkpoints in and out."""
 from jalign.core.errors import CheckpointError, ConfigError
-from jalign.models.config import ModelConfig, RopeConfig, from_hf_config, to_hf_config
+from jalign.models.config import ModelConfig, RopeConfig
 from jalign.models.decoder import Decoder, create
 from jalign.models.heads import ScalarHead
 from jalign.models.hf import (
@@ -10,6 +10,7 @@ from jalign.models.hf import (
                               load_sequence_classifier,
                               save_pretrained,
 )
+from jalign.models.hf_config import from_hf_config, to_hf_config
 from jalign.models.kv_cache import KVCache
 from jalign.models.sharding import (
                               DEFAULT_RULES,

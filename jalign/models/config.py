@@ -1,4 +1,4 @@
-"""Typed decoder config, and its translation from / to a Hugging Face `config.json`.
+"""Typed decoder config (its Hugging Face `config.json` form: `models.hf_config`).
 
 One `ModelConfig` covers every supported family; the family's quirks are plain fields (norm offset, post norms,
 soft-caps, q/k norms, per-layer windows and RoPE), so the decoder has a single code path.
@@ -6,30 +6,25 @@ soft-caps, q/k norms, per-layer windows and RoPE), so the decoder has a single c
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any, Literal
 
 import numpy as np
 
-from jalign.core.errors import CheckpointError, ConfigError
+from jalign.core.errors import ConfigError
 from jalign.kernels.attn import IMPLS as ATTENTION_IMPLS
 from jalign.models.lora import LoraConfig
-from jalign.models.moe import moe_from_hf
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe",
-                         "qwen3_moe", "mixtral")
 MOE_IMPLS = ("auto", "xla", "ragged", "megablox")  # `kernels.moe.grouped_matmul`
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh", "gelu": "gelu"}
+# `Layers` parameters stacked over the MoE layers only, and over the dense-MLP ones when an MoE model has both.
+_ROUTED = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate")
+_DENSE_MLP = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
   theta: float = 10_000.0
-  kind: str = "default"           # one of SUPPORTED_ROPE_TYPES
+  kind: str = "default"           # default | linear | llama3
   factor: float = 1.0
   low_freq_factor: float = 1.0    # llama3 only
   high_freq_factor: float = 4.0   # llama3 only
@@ -74,8 +69,9 @@ class ModelConfig:
   local_rope: RopeConfig | None = None     # sliding layers when they differ (Gemma 3)
   sliding_window: int | None = None
   layer_types: tuple[str, ...] = ()        # per layer "full_attention" | "sliding_attention"; () = all full
-  # Mixture of Experts (every layer sparse): each token's MLP is the gate-weighted sum of its top-k experts.
+  # Mixture of Experts: each token's MLP is the gate-weighted sum of its top-k experts.
   num_experts: int = 0                     # routed experts per layer; 0 = a dense MLP
+  mlp_only_layers: tuple[int, ...] = ()    # an MoE model's layers whose MLP is dense (intermediate_size) instead
   experts_per_token: int = 0               # k
   moe_intermediate_size: int = 0           # each expert's hidden size
   norm_topk_prob: bool = False             # renormalise the k gate values to sum to 1 (Mixtral always does)
@@ -109,6 +105,17 @@ class ModelConfig:
       raise ConfigError(f"activation {self.activation!r}; accepted: silu, gelu_tanh, gelu")
     if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
       raise ConfigError(f"num_experts_per_tok={self.experts_per_token}: must be in [1, num_experts={self.num_experts}]")
+    if self.mlp_only_layers:
+      if list(self.mlp_only_layers) != sorted(set(self.mlp_only_layers)) or not all(
+          0 <= i < self.num_layers for i in self.mlp_only_layers):
+        raise ConfigError(f"mlp_only_layers={list(self.mlp_only_layers)}: must be distinct, ascending layer indices "
+                          f"in [0, {self.num_layers})")
+      if len(self.mlp_only_layers) == self.num_layers:
+        raise ConfigError(f"mlp_only_layers names all {self.num_layers} layers: no layer is MoE (num_experts=0 for "
+                          "a dense model)")
+      if not self.num_experts or self.shared_expert_size:
+        raise ConfigError(f"mlp_only_layers={list(self.mlp_only_layers)}: dense layers are supported in an MoE model "
+                          "without a shared expert (num_experts > 0, shared_expert_intermediate_size=0)")
     if self.num_experts and self.moe_intermediate_size <= 0:
       raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size}: must be > 0 for an MoE model")
     if self.moe_capacity_factor < 0:
@@ -133,8 +140,36 @@ class ModelConfig:
 
   @property
   def mlp_size(self) -> int:
-    """The dense MLP's hidden size: the model's MLP, or an MoE model's shared expert (0: it has none)."""
-    return self.shared_expert_size if self.num_experts else self.intermediate_size
+    """The dense MLP's hidden size: the model's MLP (an MoE model's `mlp_only_layers`), or an MoE model's shared
+    expert (0: it has neither)."""
+    if self.num_experts and not self.mlp_only_layers:
+      return self.shared_expert_size
+    return self.intermediate_size
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """The layers whose MLP is routed: an MoE model's all but `mlp_only_layers`, a dense model's none."""
+    if not self.num_experts:
+      return ()
+    return tuple(i for i in range(self.num_layers) if i not in self.mlp_only_layers)
+
+  def stacked_layers(self, name: str) -> tuple[int, ...]:
+    """The layers whose weights the `Layers` parameter `name` stacks, in order (a LoRA adapter's: its
+    projection's): the router and experts the MoE layers', a model with dense MLP layers beside them its MLP
+    the dense layers', everything else every layer's."""
+    base = name.split("_lora_")[0]
+    if base in _ROUTED:
+      return self.moe_layers
+    if base in _DENSE_MLP and self.mlp_only_layers:
+      return self.mlp_only_layers
+    return tuple(range(self.num_layers))
+
+  def layer_runs(self) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive layers that hold the same parameters (one run unless dense and MoE
+    layers mix): each runs as one scan."""
+    sparse = [i in self.moe_layers for i in range(self.num_layers)]
+    starts = [i for i in range(self.num_layers) if i == 0 or sparse[i] != sparse[i - 1]]
+    return list(zip(starts, starts[1:] + [self.num_layers]))
 
   @property
   def scale(self) -> float:
@@ -158,12 +193,13 @@ class ModelConfig:
     """Parameters in all; `active`: those one token uses (an MoE model's k experts of E)."""
     d, f, h, k, hd = self.hidden_size, self.mlp_size, self.num_heads, self.num_kv_heads, self.head_dim
     experts = self.experts_per_token if active else self.num_experts
-    per_layer = (d * hd * (2 * h + 2 * k) + 3 * d * f + 2 * d + d * self.num_experts
-                 + 3 * d * self.moe_intermediate_size * experts + (d if self.shared_expert_gate else 0)
-                 + (hd * (h + 2 * k) if self.qkv_bias else 0) + (d if self.out_bias else 0)
-                 + (2 * f + d if self.mlp_bias else 0) + (2 * hd if self.qk_norm else 0)
-                 + (2 * d if self.post_norms else 0))
-    return self.num_layers * per_layer + self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+    per_layer = (d * hd * (2 * h + 2 * k) + 2 * d + (hd * (h + 2 * k) if self.qkv_bias else 0)
+                 + (d if self.out_bias else 0) + (2 * hd if self.qk_norm else 0) + (2 * d if self.post_norms else 0))
+    per_mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
+    per_moe = (d * self.num_experts + 3 * d * self.moe_intermediate_size * experts
+               + (d if self.shared_expert_gate else 0))
+    return (self.num_layers * per_layer + len(self.stacked_layers("gate")) * per_mlp
+            + len(self.moe_layers) * per_moe + self.vocab_size * d * (1 if self.tie_embeddings else 2) + d)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -183,184 +219,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     medium = (wavelen >= high_wl) & (wavelen <= low_wl)
     return np.where(medium, smoothed, scaled).astype(np.float32)
   return inv
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Hugging Face config.json <-> ModelConfig
-
-def _rope_from_hf(params: dict | None, theta_default: float, where: str) -> RopeConfig:
-  params = dict(params or {})
-  kind = params.get("rope_type", params.get("type", "default"))
-  if kind not in SUPPORTED_ROPE_TYPES:
-    raise ConfigError(f"{where}: rope type {kind!r} is not supported; accepted: {', '.join(SUPPORTED_ROPE_TYPES)}")
-  rope = RopeConfig(theta=float(params.get("rope_theta", theta_default)), kind=kind,
-                    factor=float(params.get("factor", 1.0)))
-  if kind == "llama3":
-    try:
-      rope = dataclasses.replace(
-          rope, low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
-          original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-    except KeyError as e:
-      raise ConfigError(f"{where}: llama3 rope scaling needs key {e.args[0]!r}") from None
-  return rope
-
-
-def _require(hf: dict, key: str, where: str):
-  if key not in hf:
-    raise ConfigError(f"{where}: missing required key {key!r}")
-  return hf[key]
-
-
-def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
-  """Reads both layouts seen in the wild: older `rope_theta`/`rope_scaling`/`torch_dtype` and newer
-  `rope_parameters` (flat or per layer type)/`dtype`."""
-  model_type = hf.get("model_type")
-  if model_type == "gemma3":  # multimodal wrapper: the decoder is described by text_config
-    hf = {**_require(hf, "text_config", where), "model_type": "gemma3_text",
-          "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
-    model_type = "gemma3_text"
-  if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: "
-                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-  gemma = model_type.startswith("gemma")
-  n_layers = int(_require(hf, "num_hidden_layers", where))
-  n_heads = int(_require(hf, "num_attention_heads", where))
-  hidden = int(_require(hf, "hidden_size", where))
-  head_dim = int(hf.get("head_dim") or hidden // n_heads)
-  act_name = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-  if act_name not in _ACTIVATIONS:
-    raise ConfigError(f"{where}: activation {act_name!r} is not supported; accepted: {', '.join(_ACTIVATIONS)}")
-  if hf.get("use_bidirectional_attention"):
-    raise ConfigError(f"{where}: use_bidirectional_attention=true is not supported (decoder-only causal models)")
-
-  # RoPE: newer files carry `rope_parameters` (Gemma 3: one dict per layer type); older ones `rope_theta` and
-  # `rope_scaling` (Gemma 3 adds `rope_local_base_freq` for its sliding layers).
-  default_theta = 1_000_000.0 if model_type in ("gemma3_text", "mixtral") else 10_000.0
-  params = hf.get("rope_parameters")
-  local_rope = None
-  if params and isinstance(next(iter(params.values()), None), dict):
-    rope = _rope_from_hf(params.get("full_attention"), default_theta, where + " rope_parameters.full_attention")
-    local_rope = _rope_from_hf(params.get("sliding_attention"), 10_000.0,
-                               where + " rope_parameters.sliding_attention")
-  else:
-    merged = {"rope_theta": hf.get("rope_theta", default_theta), **(hf.get("rope_scaling") or {}), **(params or {})}
-    rope = _rope_from_hf(merged, default_theta, where + " rope_scaling")
-    if model_type == "gemma3_text":
-      local_rope = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
-
-  # Which layers slide, per family (transformers' defaults when `layer_types` is absent).
-  window = hf.get("sliding_window")
-  layer_types = hf.get("layer_types")
-  qwen = model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-  if qwen and not hf.get("use_sliding_window", False):
-    window, layer_types = None, None
-  if layer_types is None:
-    if model_type == "gemma2":
-      layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
-    elif model_type == "gemma3_text":
-      pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
-      layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-    elif qwen and window is not None:
-      first = int(hf.get("max_window_layers", n_layers))
-      layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    elif model_type in ("mistral", "mixtral") and window is not None:
-      layer_types = ["sliding_attention"] * n_layers
-  layer_types = tuple(layer_types or ())
-  if "sliding_attention" in layer_types and not window:
-    layer_types = ()
-
-  dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  bias = bool(hf.get("attention_bias", False))
-  moe = moe_from_hf(hf, model_type, n_layers, where)
-  eos = hf.get("eos_token_id")
-  return ModelConfig(
-      vocab_size=int(_require(hf, "vocab_size", where)), hidden_size=hidden,
-      intermediate_size=int(_require(hf, "intermediate_size", where)), num_layers=n_layers, num_heads=n_heads,
-      num_kv_heads=int(hf.get("num_key_value_heads") or n_heads), head_dim=head_dim, model_type=model_type,
-      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation=_ACTIVATIONS[act_name],
-      qkv_bias=bias or model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
-      out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
-      qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, post_norms=gemma,
-      embed_scale=gemma, tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-      query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256) if gemma else None,
-      attn_softcap=hf.get("attn_logit_softcapping") if gemma else None,
-      final_softcap=hf.get("final_logit_softcapping") if gemma else None,
-      rope=rope, local_rope=local_rope, sliding_window=int(window) if window and layer_types else None,
-      layer_types=layer_types, bos_token_id=hf.get("bos_token_id"),
-      eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"),
-      param_dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
-      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32", **moe)
-
-
-def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  """The `config.json` transformers needs to rebuild this model (current `rope_parameters` layout)."""
-  arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-          "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-  model_type = cfg.model_type
-  if model_type not in arch:
-    raise ConfigError(f"model_type {model_type!r} cannot be exported; exportable: {', '.join(arch)}")
-  gemma = model_type.startswith("gemma")
-  hf: dict[str, Any] = {
-      "architectures": [arch[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-      "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-      "tie_word_embeddings": cfg.tie_embeddings, "dtype": cfg.param_dtype,
-      "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
-      "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
-  }
-  act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.activation]
-  hf["hidden_activation" if gemma else "hidden_act"] = act
-  if model_type in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral"):
-    hf["attention_bias"] = cfg.out_bias
-  if model_type == "qwen2_moe":
-    hf["qkv_bias"] = cfg.qkv_bias
-  if cfg.num_experts:
-    hf.update(num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
-              router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.output_router_logits)
-    hf["num_local_experts" if model_type == "mixtral" else "num_experts"] = cfg.num_experts
-    if model_type == "mixtral":
-      hf["intermediate_size"] = cfg.moe_intermediate_size
-    else:
-      hf.update(moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
-    if model_type == "qwen2_moe":
-      hf["shared_expert_intermediate_size"] = cfg.shared_expert_size
-  if model_type == "llama":
-    hf["mlp_bias"] = cfg.mlp_bias
-  if gemma:
-    hf["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar or cfg.head_dim
-    hf["attn_logit_softcapping"] = cfg.attn_softcap
-    hf["final_logit_softcapping"] = cfg.final_softcap
-  if model_type == "gemma3_text":
-    hf["rope_parameters"] = {"full_attention": cfg.rope.to_hf(),
-                             "sliding_attention": (cfg.local_rope or cfg.rope).to_hf()}
-  else:
-    hf["rope_parameters"] = cfg.rope.to_hf()
-  slides = "sliding_attention" in cfg.layer_types
-  if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-    hf["use_sliding_window"] = slides
-    hf["max_window_layers"] = cfg.layer_types.index("sliding_attention") if slides else cfg.num_layers
-  hf["sliding_window"] = cfg.sliding_window if slides else None
-  if cfg.layer_types and model_type not in ("mistral", "mixtral"):
-    hf["layer_types"] = list(cfg.layer_types)
-  return hf
-
-
-def load_hf_config(path: str) -> tuple[ModelConfig, dict]:
-  file = os.path.join(path, "config.json")
-  if not os.path.exists(file):
-    raise CheckpointError(f"{file}: no config.json in the checkpoint directory {path!r}")
-  try:
-    with open(file, encoding="utf-8") as f:
-      raw = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{file}:{e.lineno}: not valid JSON ({e.msg})") from None
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{file}: expected a JSON object, found {type(raw).__name__}")
-  return from_hf_config(raw, where=file), raw
 
 
 @dataclasses.dataclass(frozen=True)

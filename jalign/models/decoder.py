@@ -23,65 +23,8 @@ from jalign.models import moe as moe_block
 from jalign.models.attention import apply_rope, positions_from_mask
 from jalign.models.config import ModelConfig
 from jalign.models.kv_cache import KVCache
-from jalign.models.sharding import AXES, DEFAULT_RULES, state_shardings
-
-
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
-  if init == "normal":  # HF initializer_range default
-    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
-  elif init == "ones":
-    value = jnp.ones(shape, jnp.float32)
-  else:
-    value = jnp.zeros(shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), **{AXES: axes})
-
-
-class Layers(nnx.Module):
-  """All decoder blocks' weights, stacked [L, ...]."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    L, D, F, N, K, H = (cfg.num_layers, cfg.hidden_size, cfg.mlp_size, cfg.num_heads, cfg.num_kv_heads,
-                        cfg.head_dim)
-    pd = cfg.param_dtype
-    norm_init = "zeros" if cfg.norm_offset else "ones"
-    p = lambda shape, axes, init="normal": _param(rngs, shape, axes, pd, init)
-    self.attn_norm = p((L, D), ("layers", "norm"), norm_init)
-    self.q = p((L, D, N, H), ("layers", "embed", "heads", "head_dim"))
-    self.k = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
-    self.v = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
-    self.o = p((L, N, H, D), ("layers", "heads", "head_dim", "embed"))
-    if cfg.qkv_bias:
-      self.q_bias = p((L, N, H), ("layers", "heads", "head_dim"), "zeros")
-      self.k_bias = p((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
-      self.v_bias = p((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
-    if cfg.out_bias:
-      self.o_bias = p((L, D), ("layers", "norm"), "zeros")
-    if cfg.qk_norm:
-      self.q_norm = p((L, H), ("layers", "norm"), norm_init)
-      self.k_norm = p((L, H), ("layers", "norm"), norm_init)
-    if cfg.post_norms:
-      self.post_attn_norm = p((L, D), ("layers", "norm"), norm_init)
-      self.post_ffw_norm = p((L, D), ("layers", "norm"), norm_init)
-    self.ffw_norm = p((L, D), ("layers", "norm"), norm_init)
-    if F:  # the dense MLP (an MoE model's shared expert)
-      self.gate = p((L, D, F), ("layers", "embed", "mlp"))
-      self.up = p((L, D, F), ("layers", "embed", "mlp"))
-      self.down = p((L, F, D), ("layers", "mlp", "embed"))
-    if cfg.num_experts:
-      E, Fe = cfg.num_experts, cfg.moe_intermediate_size
-      self.router = p((L, D, E), ("layers", "embed", "router"))
-      self.expert_gate = p((L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp"))
-      self.expert_up = p((L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp"))
-      self.expert_down = p((L, E, Fe, D), ("layers", "experts", "expert_mlp", "embed"))
-    if cfg.shared_expert_gate:
-      self.shared_gate = p((L, D), ("layers", "embed"))
-    if cfg.mlp_bias:
-      self.gate_bias = p((L, F), ("layers", "mlp"), "zeros")
-      self.up_bias = p((L, F), ("layers", "mlp"), "zeros")
-      self.down_bias = p((L, D), ("layers", "norm"), "zeros")
-
-  def arrays(self) -> dict[str, jax.Array]:
-    return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+from jalign.models.layers import Layers, param
+from jalign.models.sharding import DEFAULT_RULES, state_shardings
 
 
 def rms_norm(x, w, cfg: ModelConfig):
@@ -179,7 +122,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
 
   h = rms_norm(x, lp["ffw_norm"], cfg)
   out = None
-  if cfg.mlp_size:
+  if "gate" in lp:  # this layer's dense MLP, or its shared expert
     gate, up = proj(h, "gate"), proj(h, "up")
     if cfg.mlp_bias:
       gate, up = gate + w("gate_bias"), up + w("up_bias")
@@ -189,7 +132,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     if cfg.shared_expert_gate:  # Qwen2-MoE's shared expert, gated per token
       out = out * jax.nn.sigmoid(_dense(h, w("shared_gate")[:, None]))
   routing = None
-  if cfg.num_experts:
+  if "router" in lp:  # an MoE layer
     routed, routing = moe_block.experts(cfg, h, lp, q_segment_BxT != 0, route_ids_BxTxK,
                                         _activation(cfg.activation), replay=replay,
                                         adapters=lora_lib.expert_adapters(lp, lora),
@@ -215,21 +158,40 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
+    self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
     self.layers = Layers(cfg, rngs)
-    self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), cfg.param_dtype,
+    self.final_norm = param(rngs, (cfg.hidden_size,), ("norm",), cfg.param_dtype,
                              "zeros" if cfg.norm_offset else "ones")
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
+      self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
 
   def unembed(self) -> jax.Array:
     """The output projection as [D, V]."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
   def layer_list(self) -> list[dict[str, jax.Array]]:
-    """Per-layer weights sliced out of the stacked parameters (a decode loop slices them once, outside the loop)."""
-    stacked = self.layers.arrays()
-    return [jax.tree.map(lambda a: a[i], stacked) for i in range(self.cfg.num_layers)]
+    """Per-layer weights sliced out of the stacked parameters (a decode loop slices them once, outside the loop):
+    layer i's dict holds the parameters whose stacks cover it (`ModelConfig.stacked_layers`)."""
+    out = [{} for _ in range(self.cfg.num_layers)]
+    for name, a in self.layers.arrays().items():
+      for j, i in enumerate(self.cfg.stacked_layers(name)):
+        out[i][name] = a[j]
+    return out
+
+  def layer_runs(self) -> list[tuple[int, int, dict[str, jax.Array]]]:
+    """(start, end, the stacked weights of layers start..end-1) for each run of layers with the same parameters
+    (`ModelConfig.layer_runs`: one run unless dense and MoE layers mix)."""
+    arrays, cfg = self.layers.arrays(), self.cfg
+    runs = []
+    for start, end in cfg.layer_runs():
+      run = {}
+      for name, a in arrays.items():
+        held = cfg.stacked_layers(name)
+        if start in held:
+          first = held.index(start)
+          run[name] = a[first:first + end - start]
+      runs.append((start, end, run))
+    return runs
 
   def forward(self, input_ids_BxT, attention_mask=None, **kw) -> tuple[jax.Array, KVCache | None]:
     """Hidden states after the final norm, [B, T, D], and the updated cache (`forward_routed` without the routing)."""
@@ -278,13 +240,15 @@ class Decoder(nnx.Module):
       if cache is not None:
         k_segment = _write(cache.segment_BxS, segment_ids_BxT.astype(jnp.int32), cache_index, axis=1)
       new_k, new_v, routings = [], [], []
+      moe_index = {layer: j for j, layer in enumerate(cfg.moe_layers)}
       for i in range(cfg.num_layers):
         kv = None if cache is None else (cache.k[i], cache.v[i], k_segment)
+        recorded = None if route_ids is None or i not in moe_index else route_ids[moe_index[i]]
         x, kv, routing = decoder_layer(cfg, x, per_layer[i], int(windows_L[i]), jnp.asarray(inv_freq_LxH2[i]),
                                        positions_BxT, segment_ids_BxT, q_index, kv, cache_index,
-                                       route_ids_BxTxK=None if route_ids is None else route_ids[i], lora=lora,
-                                       replay=replay)
-        routings.append(routing)
+                                       route_ids_BxTxK=recorded, lora=lora, replay=replay)
+        if routing is not None:
+          routings.append(routing)
         if kv is not None:
           new_k.append(kv[0])
           new_v.append(kv[1])
@@ -307,15 +271,22 @@ class Decoder(nnx.Module):
                             cache_index, key, recorded)
       return x, routing
 
-    xs = (self.layers.arrays(), jnp.asarray(windows_L), jnp.asarray(inv_freq_LxH2), keys_L, route_ids)
-    if cfg.scan_layers:
-      x, routing = jax.lax.scan(body, x, xs)
-    else:
-      routings = []
-      for i in range(cfg.num_layers):
-        x, r = body(x, jax.tree.map(lambda a: a[i], xs))
-        routings.append(r)
-      routing = moe_block.stack(routings)
+    routings, moe_done = [], 0
+    for start, end, lp in self.layer_runs():  # one scan per run of alike layers
+      n_moe = sum(start <= i < end for i in cfg.moe_layers)
+      xs = (lp, jnp.asarray(windows_L[start:end]), jnp.asarray(inv_freq_LxH2[start:end]),
+            None if keys_L is None else keys_L[start:end],
+            None if route_ids is None or not n_moe else route_ids[moe_done:moe_done + n_moe])
+      moe_done += n_moe
+      if cfg.scan_layers:
+        x, routing = jax.lax.scan(body, x, xs)
+        routings.append(routing)
+      else:
+        for i in range(end - start):
+          x, routing = body(x, jax.tree.map(lambda a: a[i], xs))
+          routings.append(jax.tree.map(lambda a: a[None], routing))
+    routings = [r for r in routings if r is not None]
+    routing = jax.tree.map(lambda *a: jnp.concatenate(a), *routings) if routings else None
     return rms_norm(x, self.final_norm[...], cfg), None, routing
 
   def response_hidden(self, tokens_NxT, **kw) -> jax.Array:

@@ -23,14 +23,10 @@ from jalign.core import files
 from jalign.core.errors import CheckpointError, ConfigError
 from jalign.models import hf_tensors, lora, sharding
 from jalign.models import safetensors_io as st
-from jalign.models.config import (
-  ModelConfig,
-  from_hf_config,
-  load_hf_config,
-  to_hf_config,
-)
+from jalign.models.config import ModelConfig
 from jalign.models.decoder import Decoder
 from jalign.models.gguf_io import GgufFile
+from jalign.models.hf_config import from_hf_config, load_hf_config, to_hf_config
 from jalign.models.sharding import DEFAULT_RULES, state_shardings
 
 INDEX = "model.safetensors.index.json"
@@ -174,7 +170,7 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
     pure[name] = place(views(spec, [None]), pure[name].shape, shardings[name], stacked=False)
   moe_block = "block_sparse_moe" if any(".block_sparse_moe." in n for n in tensors) else "mlp"
   for name, spec in hf_tensors.layer_tensors(cfg, moe_block).items():
-    pure["layers"][name] = place(views(spec, range(cfg.num_layers)), pure["layers"][name].shape,
+    pure["layers"][name] = place(views(spec, cfg.stacked_layers(name)), pure["layers"][name].shape,
                                  shardings["layers"][name], stacked=True)
 
   unexpected = sorted(n for n in tensors if n not in used and not _IGNORED.search(n)
@@ -262,13 +258,16 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   layer_on_host = functools.lru_cache(maxsize=1)(lambda n, i: to_host(state["layers"][n][i]))
   for layer in range(cfg.num_layers):
     for name, spec in hf_tensors.layer_tensors(cfg, moe_block).items():
+      if layer not in cfg.stacked_layers(name):
+        continue
+      i = cfg.stacked_layers(name).index(layer)  # the layer's slice of the parameter's stack
       if "{e}" in spec.hf:  # one gather per layer, its experts then written one by one
         entries.extend((f"model.layers.{layer}.{spec.hf.format(e=e)}", spec.hf_shape(cfg),
-                        lambda n=name, s=spec, i=layer, e=e: s.to_hf(layer_on_host(n, i)[e], cfg))
+                        lambda n=name, s=spec, i=i, e=e: s.to_hf(layer_on_host(n, i)[e], cfg))
                        for e in range(cfg.num_experts))
       else:
         entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),
-                        lambda n=name, s=spec, i=layer: s.to_hf(to_host(state["layers"][n][i]), cfg)))
+                        lambda n=name, s=spec, i=i: s.to_hf(to_host(state["layers"][n][i]), cfg)))
 
   limit = _parse_size(max_shard_size)
   shards: list[list] = [[]]

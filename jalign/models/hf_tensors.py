@@ -75,7 +75,7 @@ def layer_tensors(cfg: ModelConfig, moe_block: str = "mlp") -> dict[str, Tensor]
   """jalign layer parameter name -> HF tensor, for the parameters this config has (`moe_block`: the experts' module
   name, see `_moe_tensors`)."""
   gemma = cfg.post_norms
-  mlp = "mlp.shared_expert" if cfg.num_experts else "mlp"
+  mlp = "mlp.shared_expert" if cfg.shared_expert_size else "mlp"  # a dense MLP, or an MoE model's dense layers
   shape_f = lambda c: (c.mlp_size, c.hidden_size)  # noqa: E731
   t = {
       "attn_norm": Tensor("input_layernorm.weight", _D, *_same),

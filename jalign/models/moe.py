@@ -92,8 +92,8 @@ def capacity_keep(ids_NxK, real_N, num_experts: int, factor: float):
 
 
 def stack(routings: list):
-  """Per-layer `Routing`s as one, stacked [L, ...] (None for a dense model)."""
-  return None if routings[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *routings)
+  """The MoE layers' `Routing`s as one, stacked [L, ...] (None for a dense model: none)."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *routings) if routings else None
 
 
 def merge(prompts, responses, group_size: int):
@@ -115,12 +115,19 @@ def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[st
   if experts is None:
     raise ConfigError(f"{where}: missing required key 'num_experts' (or 'num_local_experts')")
   out = dict(num_experts=int(experts), experts_per_token=int(_need(hf, "num_experts_per_tok", where)))
-  step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
-  if step != 1 or dense_layers:
-    sparse = [i for i in range(n_layers) if i not in dense_layers and (i + 1) % step == 0]
-    raise ConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers} make layers {sparse} "
-                      "sparse and the rest dense; only models whose every layer is sparse are supported "
-                      "(decoder_sparse_step=1, mlp_only_layers=[])")
+  # transformers: layer i is sparse when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+  step, only = int(hf.get("decoder_sparse_step", 1)), [int(i) for i in hf.get("mlp_only_layers") or []]
+  if step < 1:
+    raise ConfigError(f"{where}: decoder_sparse_step={step}: must be >= 1")
+  dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+  if len(dense) == n_layers:
+    raise ConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={only} leave no sparse layer in "
+                      f"{n_layers}; load it as a dense model")
+  if dense and (hf.get("shared_expert_intermediate_size") or 0):
+    raise ConfigError(f"{where}: mlp_only_layers / decoder_sparse_step make layers {list(dense)} dense beside a "
+                      "shared expert (shared_expert_intermediate_size > 0); dense layers are supported in MoE models "
+                      "without one")
+  out["mlp_only_layers"] = dense
   out.update(router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
              output_router_logits=bool(hf.get("output_router_logits", False)))
   if model_type == "mixtral":  # every expert is an MLP of intermediate_size; top-k always renormalised

@@ -131,7 +131,7 @@ class OfflineBuffer:
 
   def check_routes(self, model_cfg) -> None:
     """Routing replay from this buffer: its records carry experts for `model_cfg`'s layers and top-k."""
-    want = (model_cfg.num_layers, model_cfg.num_layers * model_cfg.experts_per_token)
+    want = (len(model_cfg.moe_layers), len(model_cfg.moe_layers) * model_cfg.experts_per_token)
     if not self.has_routes():
       raise DataError(f"{self.directory}: grpo.routing_replay replays the experts each token used in the rollout; "
                       "these records have none (`routes`: the rollout task writes them for an MoE policy); set "

@@ -127,7 +127,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
 
 def _init(cfg, slots: int, max_len: int, max_prompt: int, s: Settings) -> Slots:
   zeros = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)  # noqa: E731
-  routes = lambda width: jnp.full((slots, width, cfg.num_layers, cfg.experts_per_token), -1,  # noqa: E731
+  routes = lambda width: jnp.full((slots, width, len(cfg.moe_layers), cfg.experts_per_token), -1,  # noqa: E731
                                   jnp.int32) if s.routes else None
   return Slots(KVCache.init(cfg, slots, max_len, s.cache_dtype).per_row(), zeros(), zeros(), zeros(), zeros(),
                zeros(), zeros(bool), zeros(bool), jnp.full((slots, s.max_new), s.pad_id, jnp.int32),

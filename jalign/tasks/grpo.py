@@ -156,7 +156,7 @@ class GrpoTask(Task):
     """A mini-batch's shapes: whole groups when they share their prompt, else rows of any prompts (a mini-batch may
     then hold fewer rows than a group); with routing replay, the routes of `model_cfg`'s layers."""
     s, g = self.cfg.sampling, self.cfg.grpo
-    route_shape = (model_cfg.num_layers, model_cfg.experts_per_token) if g.routing_replay else None
+    route_shape = (len(model_cfg.moe_layers), model_cfg.experts_per_token) if g.routing_replay else None
     return self.plan.abstract_batch(self.rows // g.mini_batches, self.group_size or 1, s.max_prompt_length,
                                     s.max_new_tokens, route_shape)
 

@@ -31,12 +31,12 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
       continue
     a = np.asarray(getattr(lm.layers, name + lora.SUFFIX_A)[...], np.float32)
     b = np.asarray(getattr(lm.layers, name + lora.SUFFIX_B)[...], np.float32)
-    for i, layer in enumerate(model.model.layers):
-      # An MoE model's dense MLP projections are its shared expert's.
-      hf = HF_NAMES[name].replace("mlp.", "mlp.shared_expert.") if lm.cfg.num_experts else HF_NAMES[name]
-      module = layer.get_submodule(hf)
-      a_i = torch.tensor(a[i].reshape(-1, cfg.rank))
-      b_i = torch.tensor(b[i].reshape(cfg.rank, -1))
+    for j, i in enumerate(lm.cfg.stacked_layers(name)):  # the layers this projection (and adapter) has
+      # An MoE model's dense MLP projections are its shared expert's (or its dense layers' own MLP).
+      hf = HF_NAMES[name].replace("mlp.", "mlp.shared_expert.") if lm.cfg.shared_expert_size else HF_NAMES[name]
+      module = model.model.layers[i].get_submodule(hf)
+      a_i = torch.tensor(a[j].reshape(-1, cfg.rank))
+      b_i = torch.tensor(b[j].reshape(cfg.rank, -1))
       hooks.append(module.register_forward_hook(
           lambda mod, inp, out, a_i=a_i, b_i=b_i: out + cfg.scale * (inp[0] @ a_i) @ b_i))
   try:
@@ -47,10 +47,11 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
 
 
 @pytest.mark.parametrize("family,targets", [("llama", ("all-linear",)), ("qwen2", ("q_proj", "v_proj", "down")),
-                                            ("qwen2_moe", ("all-linear",)), ("qwen3_moe", ("all-linear",))])
+                                            ("qwen2_moe", ("all-linear",)), ("qwen3_moe", ("all-linear",)),
+                                            ("qwen3_moe_dense_layers", ("all-linear",))])
 def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, tmp_path):
-  """MoE models: all-linear takes the attention, the shared expert (Qwen2-MoE) and the routed experts (one adapter
-  each). The hooks add the dense projections' adapters; with the experts' own randomised too, the reference is
+  """MoE models: all-linear takes the attention, the shared expert (Qwen2-MoE) or the dense layers' MLP, and the
+  routed experts (one adapter each). The hooks add the dense projections' adapters; with the experts' own randomised too, the reference is
   transformers on the merged export (its expert loop over W + scale A B, ours the grouped matmuls of W and of A, B)."""
   model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / "in"))

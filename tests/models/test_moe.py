@@ -11,7 +11,7 @@ from flax import nnx
 
 from jalign import models
 from jalign.core.errors import ConfigError
-from jalign.models.config import from_hf_config
+from jalign.models.hf_config import from_hf_config
 from tests import hf_reference as ref
 
 
@@ -41,7 +41,8 @@ def test_parameter_counts_equal_transformers(family, tmp_path):
   assert cfg.num_params() == sum(p.numel() for p in model.parameters())
   c = model.config
   per_expert = 3 * c.hidden_size * (c.moe_intermediate_size if family != "mixtral" else c.intermediate_size)
-  assert cfg.num_params() - cfg.num_params(active=True) == c.num_hidden_layers * per_expert * (
+  sparse = c.num_hidden_layers - len(getattr(c, "mlp_only_layers", None) or [])
+  assert cfg.num_params() - cfg.num_params(active=True) == sparse * per_expert * (
       cfg.num_experts - cfg.experts_per_token)
 
 
@@ -83,21 +84,59 @@ def test_an_moe_model_on_a_mesh_equals_one_device_value_and_gradient(shape, tmp_
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_unsupported_moe_layouts_are_refused_by_name():
+def test_dense_and_sparse_layers_scanned_unrolled_rematerialised_and_sharded_agree(tmp_path):
+  """A model whose dense layer sits between MoE ones runs as three scans (runs of alike layers); unrolled, with
+  full remat, and on a (1, 2, 1, 2) mesh (expert parallel) it gives the same value and gradient."""
+  model = ref.build("qwen3_moe_dense_layers")
+  path = ref.save(model, tmp_path / "m")
+  ids, mask = (jnp.asarray(a) for a in ref.batch(model.config.vocab_size))
+  cot = jnp.asarray(np.random.RandomState(0).randn(*ids.shape, model.config.vocab_size), jnp.float32)
+
+  def value_and_grad(lm):
+    graphdef, params = nnx.split(lm)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids, mask) * cot)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  lm = models.from_pretrained(path, dtype="float32")
+  assert lm.layers.gate.shape == (1, 32, 64) and lm.layers.expert_gate.shape == (3, 6, 32, 24)
+  v1, g1 = value_and_grad(lm)
+  mesh = models.make_mesh((1, 2, 1, 2), jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    sharded = value_and_grad(models.from_pretrained(path, dtype="float32", mesh=mesh))
+  for knobs in (dict(scan_layers=False), dict(remat="full")):
+    other = models.from_pretrained(path, dtype="float32")
+    other.cfg = other.cfg.replace(**knobs)
+    for v, g in (value_and_grad(other), sharded):
+      np.testing.assert_allclose(v, v1, rtol=1e-5)
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_dense_and_sparse_layer_settings_and_unsupported_layouts():
+  """transformers' rule: layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
   hf = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
             num_attention_heads=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24)
-  assert from_hf_config(hf).num_experts == 6
-  with pytest.raises(ConfigError, match=r"mlp_only_layers=\[0\] make layers \[1, 2, 3\] sparse"):
-    from_hf_config({**hf, "mlp_only_layers": [0]}, where="m/config.json")
-  with pytest.raises(ConfigError, match=r"decoder_sparse_step=2.*layers \[1, 3\] sparse"):
-    from_hf_config({**hf, "decoder_sparse_step": 2})
+  assert from_hf_config(hf).num_experts == 6 and from_hf_config(hf).moe_layers == (0, 1, 2, 3)
+  cfg = from_hf_config({**hf, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+  assert cfg.mlp_only_layers == (0, 2, 3) and cfg.moe_layers == (1,) and cfg.mlp_size == 64
+  assert cfg.layer_runs() == [(0, 1), (1, 2), (2, 4)]
+  assert cfg.stacked_layers("expert_up_lora_a") == (1,) and cfg.stacked_layers("down") == (0, 2, 3)
+  assert cfg.stacked_layers("q") == (0, 1, 2, 3)
+  with pytest.raises(ConfigError, match=r"m/config.json: decoder_sparse_step=1, mlp_only_layers=\[0, 1, 2, 3\] leave no"):
+    from_hf_config({**hf, "mlp_only_layers": [0, 1, 2, 3]}, where="m/config.json")
+  shared = {**hf, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 40}
+  assert from_hf_config(shared).shared_expert_gate
+  with pytest.raises(ConfigError, match=r"make layers \[0, 2\] dense beside a shared expert"):
+    from_hf_config({**shared, "decoder_sparse_step": 2})
+  with pytest.raises(ConfigError, match=r"mlp_only_layers=\[2, 1\]: must be distinct, ascending"):
+    cfg.replace(mlp_only_layers=(2, 1))
   with pytest.raises(ConfigError, match=r"num_experts_per_tok=7: must be in \[1, num_experts=6\]"):
     from_hf_config({**hf, "num_experts_per_tok": 7})
   with pytest.raises(ConfigError, match="missing required key 'num_experts'"):
     from_hf_config({k: v for k, v in hf.items() if k != "num_experts"})
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe_dense_layers"])
 def test_router_terms_equal_transformers_load_balancing_loss_with_padding(family, tmp_path):
   """`moe/aux_loss` is transformers 5's `load_balancing_loss_func` over every layer's router logits (padding masked),
   the z-loss ST-MoE's mean logsumexp^2, from the same forward."""
@@ -131,12 +170,14 @@ def test_router_terms_equal_transformers_load_balancing_loss_with_padding(family
   assert router.coefficients(cfg, router.RouterLoss(None, rl=True)) == (0.0, 0.0)
 
 
-def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_they_agree(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_dense_layers"])
+def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_they_agree(family, tmp_path):
   """Replaying a forward's own choices gives the same hidden states (mismatch exactly 0); replaying another
   model's choices routes every token by them (the layer reports them as used, the mismatch counts the differences)
-  and the router still gets gradients through the replayed experts' gate values."""
+  and the router still gets gradients through the replayed experts' gate values. With dense layers between the MoE
+  ones, routes cover the MoE layers only."""
   from jalign.objectives import router
-  model = ref.build("qwen3_moe")
+  model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / "m"), dtype="float32")
   ids, mask = ref.batch(model.config.vocab_size)
   ids, mask = jnp.asarray(ids), jnp.asarray(mask)
@@ -146,7 +187,8 @@ def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_the
   np.testing.assert_array_equal(replayed.ids_BxTxK, own.ids_BxTxK)
   assert float(jnp.sum(replayed.mismatch_sum)) == 0.0
 
-  other = models.from_pretrained(ref.save(ref.build("qwen3_moe", seed=5), tmp_path / "o"), dtype="float32")
+  assert own.ids_BxTxK.shape[0] == len(lm.cfg.moe_layers)
+  other = models.from_pretrained(ref.save(ref.build(family, seed=5), tmp_path / "o"), dtype="float32")
   _, _, theirs = other.forward_routed(ids, mask)
   _, _, used = lm.forward_routed(ids, mask, route_ids=theirs.ids_BxTxK)
   np.testing.assert_array_equal(used.ids_BxTxK, theirs.ids_BxTxK)
@@ -155,7 +197,8 @@ def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_the
                          axis=-2) == 0, where=real)
   assert float(jnp.sum(used.mismatch_sum)) == differ > 0
   _, metrics = router.terms(used, lm.cfg, router.RouterLoss())
-  np.testing.assert_allclose(metrics["moe/routing_mismatch"], differ / (np.sum(mask) * 3 * 2), rtol=1e-6)
+  np.testing.assert_allclose(metrics["moe/routing_mismatch"], differ / (np.sum(mask) * len(lm.cfg.moe_layers) * 2),
+                             rtol=1e-6)
 
   graphdef, params = nnx.split(lm)
   grad = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).forward_routed(ids, mask, route_ids=theirs.ids_BxTxK)[0]

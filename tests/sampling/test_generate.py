@@ -28,7 +28,8 @@ def _hf_greedy(model, ids, mask, eos):
   return np.pad(new, ((0, 0), (0, MAX_NEW - new.shape[1])))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gemma2", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gemma2", "qwen3_moe", "qwen2_moe", "mixtral",
+                                    "qwen3_moe_dense_layers"])
 def test_greedy_equals_transformers_generate(family, tmp_path):
   model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / family))

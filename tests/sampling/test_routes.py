@@ -14,9 +14,9 @@ from tests import hf_reference as ref
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-  model = ref.build("qwen3_moe")
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_moe_dense_layers"])
+def moe(request, tmp_path_factory):
+  model = ref.build(request.param)
   return models.from_pretrained(ref.save(model, tmp_path_factory.mktemp("m") / "moe"), dtype="float32")
 
 
@@ -40,7 +40,7 @@ def test_static_and_engine_record_the_experts_a_forward_over_the_same_tokens_use
   static = _generate(lm, ids, mask)
   engine = _generate(lm, ids, mask, slots=4, chunk=3)
   np.testing.assert_array_equal(engine.tokens, static.tokens)
-  L, k = lm.cfg.num_layers, lm.cfg.experts_per_token
+  L, k = len(lm.cfg.moe_layers), lm.cfg.experts_per_token  # routes of the MoE layers only
   n, width = 2 * len(ids), ids.shape[1]
   assert static.routes.shape == engine.routes.shape == (n, width + MAX_NEW, L, k)
   lengths = np.asarray(static.lengths)
