@@ -36,9 +36,9 @@ def _block(form: str, impl: str = "xla"):
   def loss(x, router, gate, up, down):
     weights, ids = moe.route(x @ router, K, normalize=True)
     if form == "grouped":
-      out = moe.experts_mlp(x, ids, weights.astype(x.dtype), gate, up, down, jax.nn.silu, impl=impl)
+      out = moe.experts_mlp(x, ids, weights.astype(x.dtype), gate, up, down, moe.gated(jax.nn.silu), impl=impl)
     else:
-      out = moe.reference(x, ids, weights.astype(x.dtype), gate, up, down, jax.nn.silu)
+      out = moe.reference(x, ids, weights.astype(x.dtype), gate, up, down, moe.gated(jax.nn.silu))
     return jnp.sum(out.astype(jnp.float32) ** 2)
   return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
 

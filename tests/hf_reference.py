@@ -44,8 +44,14 @@ FAMILIES = {
     "qwen3_moe_dense_layers": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, num_hidden_layers=4,
         mlp_only_layers=[2])),
+    # gpt-oss: attention sinks and biases, alternating sliding / full layers, YaRN, a biased router, biased experts
+    # with a clamped SwiGLU (a limit low enough that the clamp bites at these weights).
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        head_dim=16, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24, sliding_window=4,
+        swiglu_limit=0.05, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
+                                                beta_slow=1.0, truncate=False, original_max_position_embeddings=16))),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_dense_layers")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_dense_layers", "gpt_oss")
 
 
 def build(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -55,7 +61,7 @@ def build(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedMod
   model = model_cls(config).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
-      p.normal_(0.0, 0.1 if "norm" in name or "bias" in name else 0.15)
+      p.normal_(0.0, 0.1 if "norm" in name or "bias" in name else 1.0 if "sinks" in name else 0.15)
   return model
 
 

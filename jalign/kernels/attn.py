@@ -4,7 +4,8 @@ with the mask given as per-token segment ids and positions (never as a [T, S] ar
 A query attends to a key when both carry the same segment id and the key's is not 0 (0 = padding or an empty cache
 slot), when the key's position is not after the query's (`causal`), and when it is less than `sliding_window`
 positions behind (Mistral / Gemma: kv_pos > q_pos - window, as transformers). Rows with nothing to attend to
-(padding queries) give finite values that no valid row reads.
+(padding queries) give finite values that no valid row reads. `sinks` (gpt-oss): one learned logit per query head
+that joins each softmax's denominator as a key with no value, so a query may attend to "nothing" in part.
 
 impl:
 - `xla`: the reference: the [B, T, S] mask and [B, N, T, S] fp32 scores materialised.
@@ -13,9 +14,10 @@ impl:
   Algorithms 1-2). Memory is linear in T; block pairs that no query-key pair of the batch can use (causality,
   window, segments, judged from per-block ranges of positions and segment ids) are skipped in both passes.
 - `splash`: Pallas splash attention on TPU (see `splash.py`), shard_mapped over the batch and head mesh axes.
-  Causality and windows over slot indices (self-attention, T == S, positions ignored), a Python int window.
+  Causality and windows over slot indices (self-attention, T == S, positions ignored), a Python int window; no
+  sinks.
 - `cudnn`: cuDNN's flash attention through `jax.nn.dot_product_attention` on GPU, in bf16 / fp16; causality and
-  windows over slot indices (T == S), segments as a boolean mask (cuDNN adds it as a bias), no soft-cap.
+  windows over slot indices (T == S), segments as a boolean mask (cuDNN adds it as a bias), no soft-cap, no sinks.
 - `auto`: the best for the target (the platform of the mesh set by `jax.set_mesh`, else the default backend): on
   TPU `splash` and on GPU `cudnn` where they apply, else (and on CPU) `xla` while the score tensor is small (the
   short sequences of the tests and the demo task, where it is fastest), `chunked` from `AUTO_CHUNKED_FROM` keys on.
@@ -49,8 +51,19 @@ def attention_mask(q_segment_BxT, kv_segment_BxS, q_positions_BxT, kv_positions_
   return same
 
 
+def softmax(scores, sinks_KxG=None):
+  """Softmax over the last axis of fp32 scores [B, K, G, ..., S]; with sinks [K, G] (fp32) each row's denominator
+  also holds exp(sink)."""
+  if sinks_KxG is None:
+    return jax.nn.softmax(scores, axis=-1)
+  sink = sinks_KxG.reshape(1, *sinks_KxG.shape, *(1,) * (scores.ndim - 3))
+  top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+  e = jnp.exp(scores - top)
+  return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
+
+
 def gqa_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float, softcap: float | None,
-                  kv_heads_first: bool = False):
+                  kv_heads_first: bool = False, sinks=None):
   """Softmax attention with N query heads sharing K key/value heads; scores and softmax in fp32.
   `kv_heads_first`: keys and values come as [B, K, S, H] (the decoding cache's layout) instead of [B, S, K, H].
 
@@ -66,7 +79,8 @@ def gqa_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float, 
   if softcap is not None:  # Gemma 2: tanh soft-capping of the scores, before the mask
     scores = jnp.tanh(scores / softcap) * softcap
   scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
+  sinks_KxG = None if sinks is None else sinks.astype(jnp.float32).reshape(k, n // k)
+  probs = softmax(scores, sinks_KxG).astype(v_BxSxKxH.dtype)
   out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, v_BxSxKxH)
   return out.reshape(b, t, n, h)
 
@@ -75,11 +89,12 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               q_positions: jax.Array | None = None, kv_positions: jax.Array | None = None, causal: bool = True,
               sliding_window=None, softcap: float | None = None, scale: float | None = None, impl: str = "auto",
-              blocks: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
+              blocks: tuple[int, int] | None = None, interpret: bool = False, sinks: jax.Array | None = None
+              ) -> jax.Array:
   """Attention output [B, T, N, H]. Segment ids default to one segment, positions to 0, 1, ...; `scale` to
   H ** -0.5. `sliding_window`: an int, a traced int scalar, or None (0 = unlimited too). `blocks`: `chunked`'s
   (query, key) block sizes; None = `BLOCKS`. `interpret`: run `splash` in Pallas' interpret mode (any backend;
-  slow: a correctness check)."""
+  slow: a correctness check). `sinks`: [N] logits (see the module doc)."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl {impl!r}; available: {', '.join(IMPLS)}")
   B, T, N, H = q_BxTxNxH.shape
@@ -96,13 +111,15 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
   scale = H ** -0.5 if scale is None else float(scale)
   if impl == "auto":
     platform = target_platform()
-    if platform == "tpu" and T == S and static_window(sliding_window):
+    if platform == "tpu" and T == S and static_window(sliding_window) and sinks is None:
       impl = "splash"
-    elif (platform == "gpu" and T == S and static_window(sliding_window) and softcap is None
+    elif (platform == "gpu" and T == S and static_window(sliding_window) and softcap is None and sinks is None
           and q_BxTxNxH.dtype in (jnp.bfloat16, jnp.float16)):
       impl = "cudnn"
     else:
       impl = "chunked" if S >= AUTO_CHUNKED_FROM else "xla"
+  if sinks is not None and impl in ("cudnn", "splash"):
+    raise ValueError(f"attention impl {impl!r} has no sinks; use 'chunked' or 'xla'")
   if impl == "cudnn":
     if target_platform() != "gpu":
       raise ValueError(f"attention impl 'cudnn' needs a GPU target (this one is {target_platform()}); use 'chunked'")
@@ -117,13 +134,16 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
                             softcap=softcap, scale=scale, interpret=interpret)
   if impl == "xla":
     mask = attention_mask(q_seg, kv_seg, q_pos, kv_pos, causal=causal, sliding_window=sliding_window)
-    return gqa_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, scale=scale, softcap=softcap)
+    return gqa_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, scale=scale, softcap=softcap, sinks=sinks)
   window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+  sinks_KxG = (jnp.zeros((K, N // K), jnp.float32) if sinks is None else
+               sinks.astype(jnp.float32).reshape(K, N // K))
   bq, bk = (min(b, n) for b, n in zip(blocks or BLOCKS, (T, S)))
   pad_t, pad_s = -T % bq, -S % bk
   pad = lambda a, n: jnp.pad(a, [(0, 0), (0, n)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731  segment 0: padding
   out = _flash(pad(q_BxTxNxH, pad_t), pad(k_BxSxKxH, pad_s), pad(v_BxSxKxH, pad_s), pad(q_seg, pad_t),
-               pad(kv_seg, pad_s), pad(q_pos, pad_t), pad(kv_pos, pad_s), window, causal, softcap, scale, bq, bk)
+               pad(kv_seg, pad_s), pad(q_pos, pad_t), pad(kv_pos, pad_s), window, sinks_KxG, causal, softcap, scale,
+               bq, bk, sinks is not None)
   return out[:, :T]
 
 
@@ -194,7 +214,7 @@ def _merge(a):
   return jnp.moveaxis(a, 0, 1).reshape(b, n * block, *a.shape[3:])
 
 
-def _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, scale, bq, bk):
+def _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, sinks_KxG, causal, softcap, scale, bq, bk, has_sinks):
   B, T, N, H = q.shape
   K = k.shape[2]
   G = N // K
@@ -221,8 +241,12 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, sca
         return m_new, l, acc * rescale[..., None] + pv
       return jax.lax.cond(live[i, j], compute, lambda c: c, carry)
 
-    init = (jnp.full((B, K, G, bq), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, bq), jnp.float32),
-            jnp.zeros((B, K, G, bq, H), jnp.float32))
+    if has_sinks:  # the sink as a first key with no value: running max at it, sum exp(0) = 1
+      init = (jnp.broadcast_to(sinks_KxG[None, :, :, None], (B, K, G, bq)), jnp.ones((B, K, G, bq), jnp.float32),
+              jnp.zeros((B, K, G, bq, H), jnp.float32))
+    else:
+      init = (jnp.full((B, K, G, bq), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, bq), jnp.float32),
+              jnp.zeros((B, K, G, bq, H), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, k_blocks.shape[0], step, init)
     empty = l == 0  # a query with no key to attend to: output 0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
@@ -235,7 +259,7 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, sca
 
 
 def _backward(res, d_out):
-  q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, out, lse, causal, softcap, scale, bq, bk = res
+  q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, sinks_KxG, out, lse, causal, softcap, scale, bq, bk, has_sinks = res
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -277,22 +301,28 @@ def _backward(res, d_out):
   xs = (jnp.arange(S // bk), _split(k, bk), _split(v, bk), _split(kv_seg, bk), _split(kv_pos, bk))
   dq, (dk, dv) = jax.lax.scan(one_key_block, dq0, xs)
   dq = _merge(dq.reshape(T // bq, B, bq, N, H)).astype(q.dtype)
-  return dq, _merge(dk), _merge(dv)
+  # A sink takes probability exp(sink - lse) from every key alike: d out / d sink = -p_sink out, so its gradient is
+  # -sum over queries of p_sink * delta.
+  d_sinks = jnp.zeros_like(sinks_KxG)
+  if has_sinks:
+    d_sinks = -jnp.sum(jnp.exp(sinks_KxG[None, None, :, :, None] - lse) * delta, axis=(0, 1, 4))
+  return dq, _merge(dk), _merge(dv), d_sinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _flash(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, scale, bq, bk):
-  return _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, scale, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
+def _flash(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, sinks, causal, softcap, scale, bq, bk, has_sinks):
+  return _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, sinks, causal, softcap, scale, bq, bk, has_sinks)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, scale, bq, bk):
-  out, lse = _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, scale, bq, bk)
-  return out, (q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, out, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, sinks, causal, softcap, scale, bq, bk, has_sinks):
+  out, lse = _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, sinks, causal, softcap, scale, bq, bk,
+                      has_sinks)
+  return out, (q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, sinks, out, lse)
 
 
-def _flash_bwd(causal, softcap, scale, bq, bk, res, d_out):
-  dq, dk, dv = _backward((*res, causal, softcap, scale, bq, bk), d_out)
-  return dq, dk, dv, None, None, None, None, None
+def _flash_bwd(causal, softcap, scale, bq, bk, has_sinks, res, d_out):
+  dq, dk, dv, d_sinks = _backward((*res, causal, softcap, scale, bq, bk, has_sinks), d_out)
+  return dq, dk, dv, None, None, None, None, None, d_sinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

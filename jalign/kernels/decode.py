@@ -10,10 +10,10 @@ shared kv head, so it is reshaped, never copied; the query [B, N, H] becomes [B 
 
 impl:
 - `xla`: the dense form masked by length (and by a sliding window: kv_slot > q_slot - window, as transformers).
-- `pallas_tpu`, `pallas_gpu`: the kernels (no sliding window: they mask by length alone; on TPU a head_dim that is
-  a multiple of 128: Llama 3, Qwen, Mistral, Gemma, not SmolLM2's 64).
+- `pallas_tpu`, `pallas_gpu`: the kernels (no sliding window: they mask by length alone; no sinks; on TPU a
+  head_dim that is a multiple of 128: Llama 3, Qwen, Mistral, Gemma, not SmolLM2's 64).
 - `auto`: the kernel of the target's platform (that of the mesh set by `jax.set_mesh`, else the default backend)
-  where it applies (no window; a cache of whole pages), else `xla`.
+  where it applies (no window, no sinks; a cache of whole pages), else `xla`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jalign.kernels.attn import _MASKED
+from jalign.kernels.attn import _MASKED, softmax
 from jalign.kernels.target import row_axes, target_platform
 
 DECODE_IMPLS = ("xla", "pallas_tpu", "pallas_gpu", "auto")
@@ -39,13 +39,13 @@ def _windowed(window) -> bool:
   return window is not None and not (isinstance(window, int) and window <= 0)
 
 
-def decode_impl(impl: str, window, head_dim: int, cache_len: int) -> str:
+def decode_impl(impl: str, window, head_dim: int, cache_len: int, sinks: bool = False) -> str:
   """The impl `auto` stands for on the current target (see the module doc)."""
   if impl not in DECODE_IMPLS:
     raise ValueError(f"decode attention impl {impl!r}; available: {', '.join(DECODE_IMPLS)}")
   if impl != "auto":
     return impl
-  if _windowed(window) or cache_len % PAGE:
+  if _windowed(window) or cache_len % PAGE or sinks:
     return "xla"
   kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(target_platform(), "xla")
   return "xla" if kernel == "pallas_tpu" and head_dim % TPU_HEAD_DIM else kernel
@@ -53,16 +53,19 @@ def decode_impl(impl: str, window, head_dim: int, cache_len: int) -> str:
 
 def decode_attention(q_BxNxH: jax.Array, k_BxKxSxH: jax.Array, v_BxKxSxH: jax.Array, lengths_B: jax.Array, *,
                      scale: float, softcap: float | None = None, window=None, impl: str = "auto",
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, sinks: jax.Array | None = None) -> jax.Array:
   """[B, N, H]: each row's query over its cache's first `lengths_B` slots (the query's own key among them, last).
   Lengths are at least 1. `interpret`: run `pallas_gpu` in Pallas' interpret mode (any backend; slow:
-  a correctness check; `pallas_tpu` runs interpreted under `pltpu.force_tpu_interpret_mode()`)."""
+  a correctness check; `pallas_tpu` runs interpreted under `pltpu.force_tpu_interpret_mode()`). `sinks`: [N]
+  logits in each softmax's denominator (`kernels.attention`)."""
   B, N, H = q_BxNxH.shape
   _, K, S, _ = k_BxKxSxH.shape
   if k_BxKxSxH.shape != v_BxKxSxH.shape or k_BxKxSxH.shape[0] != B or k_BxKxSxH.shape[3] != H or N % K:
     raise ValueError(f"decode attention shapes: q {q_BxNxH.shape} [B, N, H], k {k_BxKxSxH.shape} and v "
                      f"{v_BxKxSxH.shape} [B, K, S, H] with K dividing N")
-  impl = decode_impl(impl, window, H, S)
+  impl = decode_impl(impl, window, H, S, sinks is not None)
+  if sinks is not None and impl != "xla":
+    raise ValueError(f"decode attention impl {impl!r} has no sinks; use impl='xla'")
   lengths_B = lengths_B.astype(jnp.int32)
   if impl == "xla":
     slot_S = jnp.arange(S, dtype=jnp.int32)
@@ -77,7 +80,8 @@ def decode_attention(q_BxNxH: jax.Array, k_BxKxSxH: jax.Array, v_BxKxSxH: jax.Ar
     scores = scores * scale
     if softcap is not None:  # Gemma 2: tanh soft-capping of the scores, before the mask
       scores = jnp.tanh(scores / softcap) * softcap
-    probs = jax.nn.softmax(jnp.where(valid_BxS[:, None, None], scores, _MASKED), axis=-1).astype(dt)
+    sinks_KxG = None if sinks is None else sinks.astype(jnp.float32).reshape(K, N // K)
+    probs = softmax(jnp.where(valid_BxS[:, None, None], scores, _MASKED), sinks_KxG).astype(dt)
     return jnp.einsum("bkgs,bksh->bkgh", probs, v_BxKxSxH.astype(dt)).reshape(B, N, H)
   if _windowed(window):
     raise ValueError(f"decode attention impl {impl!r} masks by length alone; a sliding window ({window}) needs "

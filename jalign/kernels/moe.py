@@ -105,14 +105,22 @@ def replayed_weights(logits_TxE: jax.Array, ids_TxK: jax.Array, *, normalize: bo
   return weights / jnp.sum(weights, axis=-1, keepdims=True) if normalize else weights
 
 
+def gated(activation: Callable) -> Callable:
+  """The usual gated MLP's combination of its gate and up projections: act(gate) * up (`experts_mlp`'s `glu`)."""
+  return lambda gate, up: activation(gate) * up
+
+
 def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, gate_ExDxF: jax.Array,
-                up_ExDxF: jax.Array, down_ExFxD: jax.Array, activation: Callable, *, impl: str = "auto",
-                adapters: tuple | None = None, adapter_scale: float = 1.0) -> jax.Array:
-  """sum_j weights[t, j] * down_e(act(x_t gate_e) * (x_t up_e)), e = ids[t, j]: [T, D] in x's dtype. Dropless: the
-  T*k token copies sorted by expert, three grouped matmuls over them, then unsorted.
+                up_ExDxF: jax.Array, down_ExFxD: jax.Array, glu: Callable, *, impl: str = "auto",
+                adapters: tuple | None = None, adapter_scale: float = 1.0, biases: tuple | None = None) -> jax.Array:
+  """sum_j weights[t, j] * down_e(glu(x_t gate_e, x_t up_e)), e = ids[t, j]: [T, D] in x's dtype (`glu`: e.g.
+  `gated(jax.nn.silu)`). Dropless: the T*k token copies sorted by expert, three grouped matmuls over them, then
+  unsorted.
 
   `adapters`: per-expert LoRA adapters of gate, up and down, each (A [E, in, r], B [E, r, out]) or None; a
   projection with one computes x W_e + adapter_scale x (x A_e) B_e, two more grouped matmuls of rank r.
+  `biases`: per-expert biases of gate, up and down ([E, F], [E, F], [E, D]; gpt-oss), added to each projection's
+  output (the down one's weighted like it).
 
   On a mesh (`jax.set_mesh`) it runs under `shard_map`: each device routes its own rows (tokens split over the
   data-parallel axes, `row_axes`), with the experts' hidden dimension split over `tensor` (Megatron-style: the down
@@ -122,9 +130,15 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   kernel needs the shard_map (it is not partitioned automatically); sorting locally also keeps XLA from gathering
   every token to sort them."""
   mesh = jax.sharding.get_abstract_mesh()
-  mlp = functools.partial(_grouped_mlp, activation=activation, impl=impl, scale=adapter_scale)
+  mlp = functools.partial(_grouped_mlp, glu=glu, impl=impl, scale=adapter_scale)
+  gate_bias, up_bias, down_bias = biases or (None,) * 3
+  w = (gate_ExDxF, up_ExDxF, down_ExFxD, gate_bias, up_bias)
+  # The down projection's bias outside the experts' matmuls (and the shard_map, whose `tensor` shards each hold a
+  # partial sum): sum_j weights[t, j] * bias[ids[t, j]].
+  extra = 0 if down_bias is None else jnp.einsum("tkd,tk->td", jnp.take(down_bias, ids_TxK, axis=0).astype(
+      x_TxD.dtype), weights_TxK.astype(x_TxD.dtype))
   if mesh.empty or mesh.size == 1:
-    return _experts_local(x_TxD, ids_TxK, weights_TxK, (gate_ExDxF, up_ExDxF, down_ExFxD), adapters, mlp)
+    return _experts_local(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp) + extra
   E, _, F = gate_ExDxF.shape
   tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and F % mesh.shape["tensor"] == 0 else None
   ep = mesh.shape.get("expert", 1)
@@ -142,7 +156,8 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
 
   # The down projection's input (the hidden dimension) is split over `tensor`: its adapter's A like its weight, B
   # whole (its partial sums add up like the weight's). Gate and up: A whole, B split over their output.
-  w_specs = (P(expert, None, tensor), P(expert, None, tensor), P(expert, tensor, None))
+  w_specs = (P(expert, None, tensor), P(expert, None, tensor), P(expert, tensor, None),
+             None if gate_bias is None else P(expert, tensor), None if up_bias is None else P(expert, tensor))
   a_specs = None if adapters is None else tuple(
       None if a is None else spec for a, spec in zip(adapters, ((P(expert), P(expert, None, tensor)),) * 2 +
                                                      ((P(expert, tensor, None), P(expert)),)))
@@ -151,8 +166,8 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   partial_SxTxD = jax.shard_map(
       local, in_specs=(rows, rows, rows, w_specs, a_specs), out_specs=P(tensor, row_spec),
       axis_names=set(mesh.axis_names), check_vma=False)(
-      x_TxD, ids_TxK, weights_TxK, (gate_ExDxF, up_ExDxF, down_ExFxD), adapters)
-  return jnp.sum(partial_SxTxD, axis=0)
+      x_TxD, ids_TxK, weights_TxK, w, adapters)
+  return jnp.sum(partial_SxTxD, axis=0) + extra
 
 
 def _exchanged(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp, ep: int):
@@ -180,9 +195,9 @@ def _exchanged(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp, ep: int):
   return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
 
 
-def _grouped_mlp(x_RxD, row_M, ids_M, w, adapters, *, activation, impl, scale):
+def _grouped_mlp(x_RxD, row_M, ids_M, w, adapters, *, glu, impl, scale):
   """Row `row_M[m]` of x through expert `ids_M[m]`'s MLP, for each m ([M, D]; ids_M = E: none, a zero row). `w`:
-  the (gate, up, down) weights; `adapters`: theirs (`experts_mlp`)."""
+  the (gate, up, down) weights and the gate's and up's biases (or None); `adapters`: theirs (`experts_mlp`)."""
   E = w[0].shape[0]
   order = jnp.argsort(ids_M, stable=True)
   sizes_E = jnp.bincount(ids_M, length=E)  # ids == E (none) fall outside: those rows sort last and come back zero
@@ -191,12 +206,14 @@ def _grouped_mlp(x_RxD, row_M, ids_M, w, adapters, *, activation, impl, scale):
 
   def proj(x, j):
     y = grouped_matmul(x, w[j], sizes_E, impl=impl)
+    if j < 2 and w[3 + j] is not None:
+      y = y + jnp.take(w[3 + j], ids_M[order], axis=0, mode="fill", fill_value=0).astype(y.dtype)
     if adapters[j] is None:
       return y
     a, b = adapters[j]
     return y + scale * grouped_matmul(grouped_matmul(x, a, sizes_E, impl=impl), b, sizes_E, impl=impl)
 
-  ys = proj(activation(proj(xs, 0)) * proj(xs, 1), 2)
+  ys = proj(glu(proj(xs, 0), proj(xs, 1)), 2)
   return jnp.take(ys, jnp.argsort(order), axis=0)
 
 
@@ -207,11 +224,13 @@ def _experts_local(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp):
 
 
 def reference(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, gate_ExDxF: jax.Array,
-              up_ExDxF: jax.Array, down_ExFxD: jax.Array, activation: Callable) -> jax.Array:
+              up_ExDxF: jax.Array, down_ExFxD: jax.Array, glu: Callable, biases: tuple | None = None) -> jax.Array:
   """`experts_mlp` in the dense all-experts form: every expert on every token, combined by a [T, E] weight matrix
   that is zero off each token's top-k. E / k times the work; the reference for tests and benchmarks."""
   E = gate_ExDxF.shape[0]
+  zero = jnp.zeros((E, 1, 1), x_TxD.dtype)
+  gb, ub, db = ((zero,) * 3 if biases is None else (b[:, None] for b in biases))
   combine_TxE = jnp.sum(jax.nn.one_hot(ids_TxK, E, dtype=jnp.float32) * weights_TxK[..., None], axis=1)
-  h = activation(jnp.einsum("td,edf->etf", x_TxD, gate_ExDxF)) * jnp.einsum("td,edf->etf", x_TxD, up_ExDxF)
-  y_ExTxD = jnp.einsum("etf,efd->etd", h, down_ExFxD)
+  h = glu(jnp.einsum("td,edf->etf", x_TxD, gate_ExDxF) + gb, jnp.einsum("td,edf->etf", x_TxD, up_ExDxF) + ub)
+  y_ExTxD = jnp.einsum("etf,efd->etd", h, down_ExFxD) + db
   return jnp.einsum("etd,te->td", y_ExTxD, combine_TxE.astype(y_ExTxD.dtype))

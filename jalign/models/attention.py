@@ -11,12 +11,14 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
 
 
-def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq_H2: jax.Array) -> jax.Array:
-  """Rotate-half RoPE (the layout of HF checkpoints); angles in fp32, cast like transformers does."""
+def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq_H2: jax.Array, scale: float = 1.0
+               ) -> jax.Array:
+  """Rotate-half RoPE (the layout of HF checkpoints); angles in fp32, cos and sin times `scale` (YaRN's attention
+  factor), cast like transformers does."""
   angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq_H2.astype(jnp.float32)
   angles_BxTxH = jnp.concatenate([angles_BxTxH2, angles_BxTxH2], axis=-1)
-  cos = jnp.cos(angles_BxTxH)[:, :, None, :].astype(x_BxTxNxH.dtype)
-  sin = jnp.sin(angles_BxTxH)[:, :, None, :].astype(x_BxTxNxH.dtype)
+  cos = (jnp.cos(angles_BxTxH) * scale)[:, :, None, :].astype(x_BxTxNxH.dtype)
+  sin = (jnp.sin(angles_BxTxH) * scale)[:, :, None, :].astype(x_BxTxNxH.dtype)
   x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return x_BxTxNxH * cos + rotated * sin

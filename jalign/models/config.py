@@ -17,27 +17,46 @@ from jalign.models.lora import LoraConfig
 
 MOE_IMPLS = ("auto", "xla", "ragged", "megablox")  # `kernels.moe.grouped_matmul`
 # `Layers` parameters stacked over the MoE layers only, and over the dense-MLP ones when an MoE model has both.
-_ROUTED = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate")
+_ROUTED = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "router_bias", "expert_gate_bias",
+           "expert_up_bias", "expert_down_bias")
 _DENSE_MLP = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
   theta: float = 10_000.0
-  kind: str = "default"           # default | linear | llama3
+  kind: str = "default"           # default | linear | llama3 | yarn
   factor: float = 1.0
   low_freq_factor: float = 1.0    # llama3 only
   high_freq_factor: float = 4.0   # llama3 only
-  original_max_position_embeddings: int = 8192  # llama3 only
+  original_max_position_embeddings: int = 8192  # llama3 and yarn
+  beta_fast: float = 32.0         # yarn only: the ramp between interpolated and extrapolated frequencies
+  beta_slow: float = 1.0          # yarn only
+  truncate: bool = True           # yarn only: the ramp's ends rounded to whole dimensions
+  attention_factor: float | None = None  # yarn only: cos / sin scale; None = 0.1 ln(factor) + 1 (YaRN eq. 21)
 
   def to_hf(self) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_type": self.kind, "rope_theta": self.theta}
-    if self.kind in ("linear", "llama3"):
+    if self.kind in ("linear", "llama3", "yarn"):
       out["factor"] = self.factor
     if self.kind == "llama3":
       out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
                  original_max_position_embeddings=self.original_max_position_embeddings)
+    if self.kind == "yarn":
+      out.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
+                 original_max_position_embeddings=self.original_max_position_embeddings)
+      if self.attention_factor is not None:
+        out["attention_factor"] = self.attention_factor
     return out
+
+  @property
+  def scale(self) -> float:
+    """The factor on cos and sin (and so on q and k): YaRN's attention factor, else 1."""
+    if self.kind != "yarn":
+      return 1.0
+    if self.attention_factor is not None:
+      return self.attention_factor
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +98,13 @@ class ModelConfig:
   shared_expert_gate: bool = False         # Qwen2-MoE: the shared expert's output scaled by sigmoid(h . w)
   router_aux_loss_coef: float = 0.0        # the checkpoint's load-balancing coefficient (HF config), and whether
   output_router_logits: bool = False       # transformers would train with it (`objectives.router.coefficients`)
+  # gpt-oss: a learned logit per head in each attention softmax's denominator ("sinks"), a router bias, biased
+  # experts, and a clamped SwiGLU in the experts (`models.moe.glu`).
+  attn_sinks: bool = False
+  router_bias: bool = False
+  expert_bias: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float = 1.702
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
@@ -105,6 +131,9 @@ class ModelConfig:
       raise ConfigError(f"activation {self.activation!r}; accepted: silu, gelu_tanh, gelu")
     if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
       raise ConfigError(f"num_experts_per_tok={self.experts_per_token}: must be in [1, num_experts={self.num_experts}]")
+    if self.local_rope is not None and self.local_rope.scale != self.rope.scale:
+      raise ConfigError(f"sliding layers' rope scale {self.local_rope.scale} differs from the full layers' "
+                        f"{self.rope.scale}: one attention factor per model is supported")
     if self.mlp_only_layers:
       if list(self.mlp_only_layers) != sorted(set(self.mlp_only_layers)) or not all(
           0 <= i < self.num_layers for i in self.mlp_only_layers):
@@ -196,16 +225,31 @@ class ModelConfig:
     per_layer = (d * hd * (2 * h + 2 * k) + 2 * d + (hd * (h + 2 * k) if self.qkv_bias else 0)
                  + (d if self.out_bias else 0) + (2 * hd if self.qk_norm else 0) + (2 * d if self.post_norms else 0))
     per_mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
-    per_moe = (d * self.num_experts + 3 * d * self.moe_intermediate_size * experts
-               + (d if self.shared_expert_gate else 0))
+    fe = self.moe_intermediate_size
+    per_moe = (d * self.num_experts + 3 * d * fe * experts + (d if self.shared_expert_gate else 0)
+               + (self.num_experts if self.router_bias else 0) + ((2 * fe + d) * experts if self.expert_bias else 0))
+    per_layer += h if self.attn_sinks else 0
     return (self.num_layers * per_layer + len(self.stacked_layers("gate")) * per_mlp
             + len(self.moe_layers) * per_moe + self.vocab_size * d * (1 if self.tie_embeddings else 2) + d)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-  """Inverse frequencies as transformers' ROPE_INIT_FUNCTIONS compute them (default, linear, llama3)."""
+  """Inverse frequencies as transformers' ROPE_INIT_FUNCTIONS compute them (default, linear, llama3, yarn)."""
   inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
   inv = inv.astype(np.float32)
+  if rope.kind == "yarn":
+    # YaRN (Peng et al. 2023, arXiv:2309.00071): frequencies that turn fewer than beta_slow times over the original
+    # context are interpolated by `factor`, those that turn more than beta_fast times kept, a linear ramp between.
+    def dim_of(rotations):
+      return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+          2 * math.log(rope.theta))
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / ((high - low) or 0.001), 0, 1)
+    keep = 1 - ramp  # the extrapolated (unscaled) share
+    return ((inv / rope.factor) * (1 - keep) + inv * keep).astype(np.float32)
   if rope.kind == "linear":
     return (inv / rope.factor).astype(np.float32)
   if rope.kind == "llama3":

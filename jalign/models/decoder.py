@@ -84,15 +84,16 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
   if cfg.qk_norm:
     q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
-  q = apply_rope(q, positions_BxT, inv_freq_H2)
-  k = apply_rope(k, positions_BxT, inv_freq_H2)
+  q = apply_rope(q, positions_BxT, inv_freq_H2, cfg.rope.scale)
+  k = apply_rope(k, positions_BxT, inv_freq_H2, cfg.rope.scale)
+  sinks = lp.get("sinks")  # gpt-oss
   slots = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (x_BxTxD.shape[0], n))  # noqa: E731
   q_slot_BxT = jnp.broadcast_to(q_index, q_segment_BxT.shape)
   if kv is None:
     new_kv = None
     attn = kernels.attention(q, k, v, q_segment_ids=q_segment_BxT, kv_segment_ids=q_segment_BxT,
                              q_positions=q_slot_BxT, kv_positions=q_slot_BxT, sliding_window=window,
-                             softcap=cfg.attn_softcap, scale=cfg.scale, impl=cfg.attention)
+                             softcap=cfg.attn_softcap, scale=cfg.scale, impl=cfg.attention, sinks=sinks)
   else:
     cache_k, cache_v, k_segment = kv  # [B, K, S, H]
     heads_first = lambda a, c: jnp.swapaxes(a, 1, 2).astype(c.dtype)  # noqa: E731  [B, T, K, H] -> [B, K, T, H]
@@ -105,14 +106,15 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
       tokens_first = lambda a: jnp.swapaxes(a, 1, 2).astype(dt)  # noqa: E731
       attn = kernels.attention(q, tokens_first(keys), tokens_first(values), q_segment_ids=q_segment_BxT,
                                kv_segment_ids=k_segment, q_positions=q_slot_BxT, kv_positions=slots(S),
-                               sliding_window=window, softcap=cfg.attn_softcap, scale=cfg.scale, impl="chunked")
+                               sliding_window=window, softcap=cfg.attn_softcap, scale=cfg.scale, impl="chunked",
+                               sinks=sinks)
     elif cache_index.ndim == 1 and q.shape[1] == 1:  # a packed per-row cache: each row read up to its length
       attn = kernels.decode_attention(q[:, 0], keys, values, cache_index + 1, scale=cfg.scale, softcap=cfg.attn_softcap,
-                                      window=window, impl=cfg.decode_attention)[:, None]
+                                      window=window, impl=cfg.decode_attention, sinks=sinks)[:, None]
     else:  # decoding (one query) and short prefills read the cache in place
       mask = _attention_mask(q_segment_BxT, k_segment, q_slot_BxT, slots(S), sliding_window=window)
       attn = gqa_attention(q, keys.astype(dt), values.astype(dt), mask, scale=cfg.scale, softcap=cfg.attn_softcap,
-                           kv_heads_first=True)
+                           kv_heads_first=True, sinks=sinks)
   out = proj(attn, "o", in_dims=2)
   if cfg.out_bias:
     out = out + w("o_bias")

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jalign.core import files
 from jalign.core.errors import CheckpointError, ConfigError
-from jalign.models import hf_tensors, lora, sharding
+from jalign.models import hf_tensors, lora, mxfp4, sharding
 from jalign.models import safetensors_io as st
 from jalign.models.config import ModelConfig
 from jalign.models.decoder import Decoder
@@ -124,6 +124,14 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
   used: set[str] = set()
 
   def read(name: str, want: tuple) -> np.ndarray:
+    packed = (name + "_blocks", name + "_scales")
+    if name not in tensors and all(n in tensors for n in packed):  # gpt-oss's MXFP4 experts
+      arr = mxfp4.Packed(*(tensors[n].get(n) for n in packed))
+      if arr.shape != want:
+        raise CheckpointError(f"{tensors[packed[0]].path}: MXFP4 tensors {packed[0]!r} / {packed[1]!r} hold shape "
+                              f"{arr.shape}, expected {want} for this config.json")
+      used.update(packed)
+      return arr
     if name not in tensors:
       raise CheckpointError(f"{path}: missing weight {name!r}")
     arr = tensors[name].get(name)
@@ -261,7 +269,13 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
       if layer not in cfg.stacked_layers(name):
         continue
       i = cfg.stacked_layers(name).index(layer)  # the layer's slice of the parameter's stack
-      if "{e}" in spec.hf:  # one gather per layer, its experts then written one by one
+      if spec.joint is not None:  # two parameters in one HF tensor, written with the first
+        other, parity = spec.joint
+        if parity == 0:
+          entries.append((f"model.layers.{layer}.{spec.hf}", spec.hf_shape(cfg),
+                          lambda n=name, o=other, i=i: hf_tensors.interleave(to_host(state["layers"][n][i]),
+                                                                             to_host(state["layers"][o][i]))))
+      elif "{e}" in spec.hf:  # one gather per layer, its experts then written one by one
         entries.extend((f"model.layers.{layer}.{spec.hf.format(e=e)}", spec.hf_shape(cfg),
                         lambda n=name, s=spec, i=i, e=e: s.to_hf(layer_on_host(n, i)[e], cfg))
                        for e in range(cfg.num_experts))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -11,13 +12,16 @@ from jalign.models.config import ModelConfig, RopeConfig
 from jalign.models.moe import moe_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe",
-                         "qwen3_moe", "mixtral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+                         "qwen3_moe", "mixtral", "gpt_oss")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# gpt-oss's transformers defaults when its config.json leaves rope_parameters out
+_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
 
-def _rope_from_hf(params: dict | None, theta_default: float, where: str) -> RopeConfig:
+def _rope_from_hf(params: dict | None, theta_default: float, where: str, max_positions: int = 2048) -> RopeConfig:
   params = dict(params or {})
   kind = params.get("rope_type", params.get("type", "default"))
   if kind not in SUPPORTED_ROPE_TYPES:
@@ -31,6 +35,20 @@ def _rope_from_hf(params: dict | None, theta_default: float, where: str) -> Rope
           original_max_position_embeddings=int(params["original_max_position_embeddings"]))
     except KeyError as e:
       raise ConfigError(f"{where}: llama3 rope scaling needs key {e.args[0]!r}") from None
+  if kind == "yarn":
+    if "original_max_position_embeddings" not in params:
+      raise ConfigError(f"{where}: yarn rope scaling needs key 'original_max_position_embeddings'")
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_positions / original)
+    attention = params.get("attention_factor")
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all:  # DeepSeek's form (transformers `_compute_yarn_parameters`)
+      m = lambda s: 0.1 * s * math.log(factor) + 1.0 if factor > 1 else 1.0  # noqa: E731
+      attention = m(float(mscale)) / m(float(mscale_all))
+    rope = dataclasses.replace(
+        rope, factor=factor, original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)), attention_factor=None if attention is None else float(attention))
   return rope
 
 
@@ -64,16 +82,22 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
 
   # RoPE: newer files carry `rope_parameters` (Gemma 3: one dict per layer type); older ones `rope_theta` and
   # `rope_scaling` (Gemma 3 adds `rope_local_base_freq` for its sliding layers).
-  default_theta = 1_000_000.0 if model_type in ("gemma3_text", "mixtral") else 10_000.0
+  default_theta = {"gemma3_text": 1e6, "mixtral": 1e6, "gpt_oss": 150_000.0}.get(model_type, 10_000.0)
   params = hf.get("rope_parameters")
+  max_positions = int(hf.get("max_position_embeddings", 2048))
+  if model_type == "gpt_oss":
+    hf = {"sliding_window": 128, **hf}
+    if not params and not hf.get("rope_scaling"):
+      params = _GPT_OSS_ROPE
   local_rope = None
   if params and isinstance(next(iter(params.values()), None), dict):
-    rope = _rope_from_hf(params.get("full_attention"), default_theta, where + " rope_parameters.full_attention")
+    rope = _rope_from_hf(params.get("full_attention"), default_theta, where + " rope_parameters.full_attention",
+                         max_positions)
     local_rope = _rope_from_hf(params.get("sliding_attention"), 10_000.0,
-                               where + " rope_parameters.sliding_attention")
+                               where + " rope_parameters.sliding_attention", max_positions)
   else:
     merged = {"rope_theta": hf.get("rope_theta", default_theta), **(hf.get("rope_scaling") or {}), **(params or {})}
-    rope = _rope_from_hf(merged, default_theta, where + " rope_scaling")
+    rope = _rope_from_hf(merged, default_theta, where + " rope_scaling", max_positions)
     if model_type == "gemma3_text":
       local_rope = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
 
@@ -84,7 +108,7 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
   if qwen and not hf.get("use_sliding_window", False):
     window, layer_types = None, None
   if layer_types is None:
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gpt_oss"):
       layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
     elif model_type == "gemma3_text":
       pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
@@ -99,15 +123,15 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
     layer_types = ()
 
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  bias = bool(hf.get("attention_bias", False))
+  bias = bool(hf.get("attention_bias", model_type == "gpt_oss"))
   moe = moe_from_hf(hf, model_type, n_layers, where)
   eos = hf.get("eos_token_id")
   return ModelConfig(
       vocab_size=int(_require(hf, "vocab_size", where)), hidden_size=hidden,
       intermediate_size=int(_require(hf, "intermediate_size", where)), num_layers=n_layers, num_heads=n_heads,
       num_kv_heads=int(hf.get("num_key_value_heads") or n_heads), head_dim=head_dim, model_type=model_type,
-      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation=_ACTIVATIONS[act_name],
+      max_position_embeddings=max_positions, attn_sinks=model_type == "gpt_oss",
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "gpt_oss" else 1e-6)), activation=_ACTIVATIONS[act_name],
       qkv_bias=bias or model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
       out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
       qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, post_norms=gemma,
@@ -126,7 +150,8 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   """The `config.json` transformers needs to rebuild this model (current `rope_parameters` layout)."""
   arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-          "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+          "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+          "gpt_oss": "GptOssForCausalLM"}
   model_type = cfg.model_type
   if model_type not in arch:
     raise ConfigError(f"model_type {model_type!r} cannot be exported; exportable: {', '.join(arch)}")
@@ -143,16 +168,19 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   }
   act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.activation]
   hf["hidden_activation" if gemma else "hidden_act"] = act
-  if model_type in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral"):
+  if model_type in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"):
     hf["attention_bias"] = cfg.out_bias
   if model_type == "qwen2_moe":
     hf["qkv_bias"] = cfg.qkv_bias
   if cfg.num_experts:
     hf.update(num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
               router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.output_router_logits)
-    hf["num_local_experts" if model_type == "mixtral" else "num_experts"] = cfg.num_experts
-    if model_type == "mixtral":
+    hf["num_local_experts" if model_type in ("mixtral", "gpt_oss") else "num_experts"] = cfg.num_experts
+    if model_type in ("mixtral", "gpt_oss"):
       hf["intermediate_size"] = cfg.moe_intermediate_size
+      if model_type == "gpt_oss":
+        hf.update(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+        del hf["norm_topk_prob"]
     else:
       hf.update(moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1,
                 mlp_only_layers=list(cfg.mlp_only_layers))

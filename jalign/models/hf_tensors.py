@@ -22,6 +22,28 @@ class Tensor:
   # (its name, its shape, and how to slice this parameter out of it)
   # that holds every expert in one tensor, and how to slice this parameter out of it ([E, ...] -> jalign's form).
   fused: tuple[str, Callable[[ModelConfig], tuple], Callable[[np.ndarray, ModelConfig], np.ndarray]] | None = None
+  # (the other parameter, this one's parity): the HF tensor interleaves this parameter's columns with the other's
+  # on its last axis, this one's from `parity` (gpt-oss's `gate_up_proj`: gate even, up odd); written once, by the
+  # parameter of parity 0.
+  joint: tuple[str, int] | None = None
+
+
+class Columns:
+  """Every other column (last axis) of a tensor, from `parity`: read lazily, like the tensor it views."""
+
+  def __init__(self, a, parity: int):
+    self.a, self.parity = a, parity
+    self.shape = (*a.shape[:-1], a.shape[-1] // 2)
+
+  def __getitem__(self, index):
+    index = index if isinstance(index, tuple) else (index,)
+    index = index + (slice(None),) * (len(self.shape) - len(index))
+    return np.asarray(self.a[index[:-1]])[..., self.parity::2][..., index[-1]]
+
+
+def interleave(even: np.ndarray, odd: np.ndarray) -> np.ndarray:
+  """[..., 2n]: `even`'s columns at 0, 2, ..., `odd`'s at 1, 3, ... (the inverse of two `Columns`)."""
+  return np.stack([even, odd], axis=-1).reshape(*even.shape[:-1], -1)
 
 
 def _proj(heads_attr: str, out: bool = False) -> tuple:
@@ -71,6 +93,29 @@ def _moe_tensors(cfg: ModelConfig, block: str) -> dict[str, Tensor]:
   return t
 
 
+def _gpt_oss_tensors() -> dict[str, Tensor]:
+  """gpt-oss's router (with its bias) and experts, every expert of a layer in one tensor: `gate_up_proj` [E, D, 2F]
+  (gate and up interleaved), `down_proj` [E, F, D], and their biases (the plain layout; the hub's MXFP4 one is
+  dequantised on load, `models.mxfp4`)."""
+  fe = lambda c: c.moe_intermediate_size  # noqa: E731
+  gate_up = ("mlp.experts.gate_up_proj", lambda c: (c.num_experts, c.hidden_size, 2 * fe(c)))
+  gate_up_bias = ("mlp.experts.gate_up_proj_bias", lambda c: (c.num_experts, 2 * fe(c)))
+
+  def half(parity: int) -> tuple:
+    return lambda a, c: Columns(a, parity), lambda a, c: a
+
+  return {
+      "router": Tensor("mlp.router.weight", lambda c: (c.num_experts, c.hidden_size), *_transpose),
+      "router_bias": Tensor("mlp.router.bias", lambda c: (c.num_experts,), *_same),
+      "expert_gate": Tensor(*gate_up, *half(0), joint=("expert_up", 0)),
+      "expert_up": Tensor(*gate_up, *half(1), joint=("expert_gate", 1)),
+      "expert_down": Tensor("mlp.experts.down_proj", lambda c: (c.num_experts, fe(c), c.hidden_size), *_same),
+      "expert_gate_bias": Tensor(*gate_up_bias, *half(0), joint=("expert_up_bias", 0)),
+      "expert_up_bias": Tensor(*gate_up_bias, *half(1), joint=("expert_gate_bias", 1)),
+      "expert_down_bias": Tensor("mlp.experts.down_proj_bias", lambda c: (c.num_experts, c.hidden_size), *_same),
+  }
+
+
 def layer_tensors(cfg: ModelConfig, moe_block: str = "mlp") -> dict[str, Tensor]:
   """jalign layer parameter name -> HF tensor, for the parameters this config has (`moe_block`: the experts' module
   name, see `_moe_tensors`)."""
@@ -92,7 +137,9 @@ def layer_tensors(cfg: ModelConfig, moe_block: str = "mlp") -> dict[str, Tensor]
     t["up"] = Tensor(f"{mlp}.up_proj.weight", shape_f, *_transpose)
     t["down"] = Tensor(f"{mlp}.down_proj.weight", lambda c: (c.hidden_size, c.mlp_size), *_transpose)
   if cfg.num_experts:
-    t.update(_moe_tensors(cfg, moe_block))
+    t.update(_gpt_oss_tensors() if cfg.model_type == "gpt_oss" else _moe_tensors(cfg, moe_block))
+  if cfg.attn_sinks:
+    t["sinks"] = Tensor("self_attn.sinks", lambda c: (c.num_heads,), *_same)
   if cfg.qkv_bias:
     t["q_bias"] = Tensor("self_attn.q_proj.bias", *_bias("num_heads"))
     t["k_bias"] = Tensor("self_attn.k_proj.bias", *_bias("num_kv_heads"))

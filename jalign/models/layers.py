@@ -46,6 +46,8 @@ class Layers(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = p((L, H), ("layers", "norm"), norm_init)
       self.k_norm = p((L, H), ("layers", "norm"), norm_init)
+    if cfg.attn_sinks:
+      self.sinks = p((L, N), ("layers", "heads"), "zeros")
     if cfg.post_norms:
       self.post_attn_norm = p((L, D), ("layers", "norm"), norm_init)
       self.post_ffw_norm = p((L, D), ("layers", "norm"), norm_init)
@@ -60,6 +62,13 @@ class Layers(nnx.Module):
       self.expert_gate = p((Lm, E, D, Fe), ("layers", "experts", "embed", "expert_mlp"))
       self.expert_up = p((Lm, E, D, Fe), ("layers", "experts", "embed", "expert_mlp"))
       self.expert_down = p((Lm, E, Fe, D), ("layers", "experts", "expert_mlp", "embed"))
+    if cfg.router_bias:
+      self.router_bias = p((Lm, cfg.num_experts), ("layers", "router"), "zeros")
+    if cfg.expert_bias:
+      E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+      self.expert_gate_bias = p((Lm, E, Fe), ("layers", "experts", "expert_mlp"), "zeros")
+      self.expert_up_bias = p((Lm, E, Fe), ("layers", "experts", "expert_mlp"), "zeros")
+      self.expert_down_bias = p((Lm, E, D), ("layers", "experts", "norm"), "zeros")
     if cfg.shared_expert_gate:
       self.shared_gate = p((Lm, D), ("layers", "embed"))
     if cfg.mlp_bias:

@@ -43,6 +43,8 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
   k = cfg.experts_per_token
   h_NxD = h_BxTxD.reshape(B * T, D)
   logits_NxE = h_NxD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
+  if "router_bias" in lp:  # gpt-oss
+    logits_NxE = logits_NxE + lp["router_bias"].astype(jnp.float32)
   weights_NxK, own_NxK = moe.route(logits_NxE, k, normalize=cfg.norm_topk_prob)
   ids_NxK = own_NxK
   real_N = real_BxT.reshape(-1).astype(jnp.float32)
@@ -64,10 +66,13 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
     keep_NxK = capacity_keep(ids_NxK, real_N, cfg.num_experts, cfg.moe_capacity_factor)
     weights_NxK = jnp.where(keep_NxK, weights_NxK, 0.0)
     dropped = jnp.sum(real_N[:, None] * ~keep_NxK)
+  biases = None
+  if "expert_gate_bias" in lp:  # gpt-oss
+    biases = tuple(lp[f"expert_{n}_bias"].astype(dt) for n in ("gate", "up", "down"))
   out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
-                        lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), activation,
+                        lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), glu(cfg, activation),
                         impl=cfg.moe_impl, adapters=jax.tree.map(lambda a: a.astype(dt), adapters),
-                        adapter_scale=adapter_scale)
+                        adapter_scale=adapter_scale, biases=biases)
   probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
   lse_N = jax.nn.logsumexp(logits_NxE, axis=-1)
   entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)
@@ -75,6 +80,19 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
   routing = Routing(ids_NxK.reshape(B, T, k), real_N @ chosen_NxE, real_N @ probs_NxE, real_N @ lse_N ** 2,
                     real_N @ entropy_N, real_N @ missed_N, jnp.sum(recorded_N), dropped, jnp.sum(real_N))
   return out.reshape(B, T, D), routing
+
+
+def glu(cfg, activation: Callable) -> Callable:
+  """How an expert combines its gate and up projections: act(gate) * up, or gpt-oss's clamped SwiGLU (`swiglu_limit`
+  set): gate clipped above and up on both sides at the limit, (up + 1) * gate * sigmoid(alpha * gate)."""
+  if cfg.swiglu_limit is None:
+    return moe.gated(activation)
+  limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+
+  def clamped(gate, up):
+    gate = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+  return clamped
 
 
 def capacity_keep(ids_NxK, real_N, num_experts: int, factor: float):
@@ -109,7 +127,7 @@ def merge(prompts, responses, group_size: int):
 
 def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[str, Any]:
   """The MoE fields of `ModelConfig` from a Qwen2-MoE / Qwen3-MoE / Mixtral config.json ({} for dense families)."""
-  if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+  if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
     return {}
   experts = hf.get("num_experts", hf.get("num_local_experts"))
   if experts is None:
@@ -132,6 +150,10 @@ def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[st
              output_router_logits=bool(hf.get("output_router_logits", False)))
   if model_type == "mixtral":  # every expert is an MLP of intermediate_size; top-k always renormalised
     return {**out, "moe_intermediate_size": int(_need(hf, "intermediate_size", where)), "norm_topk_prob": True}
+  if model_type == "gpt_oss":  # softmax over the top-k router logits (= renormalised); biased router and experts
+    return {**out, "moe_intermediate_size": int(_need(hf, "intermediate_size", where)), "norm_topk_prob": True,
+            "router_bias": True, "expert_bias": True, "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702))}
   out.update(moe_intermediate_size=int(_need(hf, "moe_intermediate_size", where)),
              norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
   if model_type == "qwen2_moe":

@@ -62,7 +62,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   buckets_B = np.asarray([prompt_bucket(int(n), bucket_min) for n in lengths_B])
   lm = nnx.merge(graphdef, params)
   # Where decode attention is a kernel it reads each slot up to its own length, in pages: no common bound needed.
-  ragged = decode_impl(lm.cfg.decode_attention, None, lm.cfg.head_dim, PAGE) != "xla"
+  ragged = decode_impl(lm.cfg.decode_attention, None, lm.cfg.head_dim, PAGE, lm.cfg.attn_sinks) != "xla"
   max_len = int(buckets_B.max()) + s.max_new
   max_len = -(-max_len // PAGE) * PAGE if ragged else max_len
   state = _init(lm.cfg, slots, max_len, int(buckets_B.max()), s)

@@ -12,8 +12,10 @@ from jalign.kernels import attention
 B, T, N, K, H = 3, 37, 4, 2, 8
 
 
-def numpy_attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, causal, window, softcap, scale):
-  """softmax(cap(q k^T * scale) + mask) v per (batch, head), in float64; rows with no key give 0."""
+def numpy_attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, causal, window, softcap, scale, sinks=None):
+  """softmax(cap(q k^T * scale) + mask) v per (batch, head), in float64; rows with no key give 0. `sinks` [N]: each
+  head's logit joins the softmax's denominator (gpt-oss; transformers' eager attention: a column dropped after the
+  softmax)."""
   b, t, n, h = q.shape
   g = n // k.shape[2]
   out = np.zeros((b, t, n, h))
@@ -30,8 +32,10 @@ def numpy_attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, causal, window, so
         s = np.tanh(s / softcap) * softcap
       s = np.where(allowed, s, -np.inf)
       top = np.max(s, axis=-1, keepdims=True)
+      if sinks is not None:
+        top = np.maximum(top, sinks[hi])
       p = np.where(allowed, np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
-      den = p.sum(-1, keepdims=True)
+      den = p.sum(-1, keepdims=True) + (0 if sinks is None else np.exp(sinks[hi] - top))
       out[bi, :, hi] = (p / np.where(den == 0, 1, den)) @ v[bi, :, hi // g]
   return out
 
@@ -84,6 +88,32 @@ def test_value_matches_numpy_and_gradient_matches_dense(impl, case):
   dense = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
   for name, g, d in zip("qkv", grads, dense):
     np.testing.assert_allclose(g, d, rtol=1e-5, atol=1e-5 * np.abs(d).max(), err_msg=name)
+
+
+def test_sinks_match_numpy_and_the_chunked_gradient_matches_dense():
+  """gpt-oss's sinks (a logit per head in each softmax's denominator) with GQA, packing, padding and a window:
+  `xla` and `chunked` equal NumPy; chunked's own backward (the sinks' gradient included) equals autodiff of the
+  dense form; the kernels without sinks refuse them by name."""
+  q, k, v, seg, pos = packed_batch()
+  sinks = np.random.default_rng(2).normal(size=N).astype(np.float32) * 2
+  masks = dict(q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg), q_positions=jnp.asarray(pos),
+               kv_positions=jnp.asarray(pos), sliding_window=6)
+  valid = (seg != 0)[:, :, None, None]
+  run = lambda impl, q, k, v, s: attention(q, k, v, impl=impl, blocks=(8, 16), scale=0.3, sinks=s,  # noqa: E731
+                                           **masks)
+  want = numpy_attention(q, k, v, seg, seg, pos, pos, causal=True, window=6, softcap=None, scale=0.3, sinks=sinks)
+  w = np.random.default_rng(1).normal(size=want.shape).astype(np.float32) * valid
+  grads = {}
+  for impl in ("xla", "chunked"):
+    got = np.asarray(run(impl, q, k, v, sinks))
+    np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), rtol=1e-5, atol=1e-5)
+    grads[impl] = jax.grad(lambda *a: jnp.sum(run(impl, *a) * w), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for name, g, d in zip(["q", "k", "v", "sinks"], grads["chunked"], grads["xla"]):
+    np.testing.assert_allclose(g, d, rtol=1e-5, atol=1e-5 * np.abs(d).max(), err_msg=name)
+  assert np.abs(grads["xla"][3]).min() > 0
+  for impl in ("splash", "cudnn"):
+    with pytest.raises(ValueError, match=f"attention impl '{impl}' has no sinks; use 'chunked' or 'xla'"):
+      run(impl, q, k, v, sinks)
 
 
 @pytest.mark.parametrize("case", ["causal", "window", "bidirectional"])

@@ -21,8 +21,9 @@ def _inputs(dtype=np.float32, seed=0):
   return [np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (q, k, v)]  # exactly representable
 
 
-def _numpy(q, k, v, lengths, scale, softcap=None, window=None):
-  """Softmax attention of each row's query over its first `length` keys (a window: the last `window` of them)."""
+def _numpy(q, k, v, lengths, scale, softcap=None, window=None, sinks=None):
+  """Softmax attention of each row's query over its first `length` keys (a window: the last `window` of them);
+  `sinks` [N]: each head's logit in the denominator."""
   out = np.zeros_like(q, dtype=np.float64)
   for b in range(B):
     lo = 0 if window is None else max(0, lengths[b] - window)
@@ -31,8 +32,9 @@ def _numpy(q, k, v, lengths, scale, softcap=None, window=None):
       scores = keys.astype(np.float64) @ q[b, n] * scale
       if softcap:
         scores = np.tanh(scores / softcap) * softcap
-      p = np.exp(scores - scores.max())
-      out[b, n] = (p / p.sum()) @ values
+      top = scores.max() if sinks is None else max(scores.max(), sinks[n])
+      p = np.exp(scores - top)
+      out[b, n] = (p / (p.sum() + (0 if sinks is None else np.exp(sinks[n] - top)))) @ values
   return out
 
 
@@ -42,6 +44,16 @@ def test_dense_form_is_softmax_over_each_rows_length(softcap, window):
   got = decode_attention(*map(jnp.asarray, (q, k, v, LENGTHS)), scale=0.125, softcap=softcap, window=window,
                          impl="xla")
   np.testing.assert_allclose(np.asarray(got), _numpy(q, k, v, LENGTHS, 0.125, softcap, window), atol=1e-5)
+
+
+def test_sinks_in_the_dense_form():
+  q, k, v = _inputs()
+  sinks = np.random.RandomState(3).randn(N).astype(np.float32) * 2
+  got = decode_attention(*map(jnp.asarray, (q, k, v, LENGTHS)), scale=0.125, window=50, impl="auto",
+                         sinks=jnp.asarray(sinks))
+  np.testing.assert_allclose(np.asarray(got), _numpy(q, k, v, LENGTHS, 0.125, None, 50, sinks), atol=1e-5)
+  with pytest.raises(ValueError, match="decode attention impl 'pallas_gpu' has no sinks; use impl='xla'"):
+    decode_attention(*map(jnp.asarray, (q, k, v, LENGTHS)), scale=0.125, impl="pallas_gpu", sinks=jnp.asarray(sinks))
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
@@ -101,6 +113,7 @@ def test_auto_takes_the_chips_kernel_only_where_it_applies():
     assert decode_impl("auto", 0, 256, 1024) == "pallas_tpu"  # a window of 0 is none
     for window, head_dim, cache_len in ((4096, 128, 256), (None, 64, 256), (None, 128, 200)):
       assert decode_impl("auto", window, head_dim, cache_len) == "xla", (window, head_dim, cache_len)
+    assert decode_impl("auto", None, 128, 256, sinks=True) == "xla"  # gpt-oss: the kernels have no sinks
 
 
 def _engine_decode_for_tpu(head_dim: int, mesh_shape=(1, 1, 1), slots=64, max_len=4096):

@@ -10,6 +10,8 @@ import pytest
 
 from jalign.kernels import moe
 
+SWIGLU = moe.gated(jax.nn.silu)
+
 
 def _groups(sizes, k=12, n=20, seed=0):
   rng = np.random.RandomState(seed)
@@ -97,18 +99,57 @@ def test_experts_mlp_equals_numpy_per_token_and_the_dense_reference_with_gradien
   want = np.stack([sum(weights[t, j] * (silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e]
                        for j, e in enumerate(ids[t])) for t in range(len(x))])
   args = tuple(map(jnp.asarray, (x, ids, weights, gate, up, down)))
-  got = moe.experts_mlp(*args, jax.nn.silu, impl="xla")
+  got = moe.experts_mlp(*args, SWIGLU, impl="xla")
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(moe.reference(*args, jax.nn.silu), want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(moe.reference(*args, SWIGLU), want, rtol=1e-4, atol=1e-5)
 
   cot = jnp.asarray(np.random.RandomState(4).randn(*x.shape).astype(np.float32))
   wrt = (0, 2, 3, 4, 5)  # x, gate values, the three expert weights
-  grouped = jax.grad(lambda *a: jnp.sum(moe.experts_mlp(*a, jax.nn.silu, impl="xla") * cot), argnums=wrt)(*args)
-  dense = jax.grad(lambda *a: jnp.sum(moe.reference(*a, jax.nn.silu) * cot), argnums=wrt)(*args)
+  grouped = jax.grad(lambda *a: jnp.sum(moe.experts_mlp(*a, SWIGLU, impl="xla") * cot), argnums=wrt)(*args)
+  dense = jax.grad(lambda *a: jnp.sum(moe.reference(*a, SWIGLU) * cot), argnums=wrt)(*args)
   for a, b in zip(grouped, dense):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   for dw in grouped[2:]:
     assert np.all(np.asarray(dw)[-2:] == 0)  # the unchosen experts
+
+
+def _clamped(limit=0.3, alpha=1.702):
+  """gpt-oss's expert activation, in NumPy (its model card / transformers `GptOssExperts._apply_gate`)."""
+  def glu(gate, up):
+    gate = np.minimum(gate, limit)
+    return (np.clip(up, -limit, limit) + 1) * gate / (1 + np.exp(-alpha * gate))
+  return glu
+
+
+@pytest.mark.parametrize("shape", [None, (2, 1, 2, 2)])
+def test_biased_experts_with_a_clamped_glu_equal_numpy_per_token(shape):
+  """gpt-oss's experts: gate, up and down biases, its clamped SwiGLU; on one device and on a mesh with expert and
+  tensor axes (the down bias outside the tensor-split partial sums), value and gradient against the dense form."""
+  from jalign.models.sharding import make_mesh
+  x, ids, weights, gate, up, down = _experts(t=16)
+  e, f, d = gate.shape[0], gate.shape[2], gate.shape[1]
+  rng = np.random.RandomState(7)
+  biases = (rng.randn(e, f).astype(np.float32) * 0.3, rng.randn(e, f).astype(np.float32) * 0.3,
+            rng.randn(e, d).astype(np.float32) * 0.3)
+  glu = _clamped()
+  want = np.stack([sum(weights[t, j] * (glu(x[t] @ gate[i] + biases[0][i], x[t] @ up[i] + biases[1][i]) @ down[i]
+                                        + biases[2][i]) for j, i in enumerate(ids[t])) for t in range(len(x))])
+  jglu = lambda g, u: (jnp.clip(u, -0.3, 0.3) + 1) * jnp.minimum(g, 0.3) * jax.nn.sigmoid(  # noqa: E731
+      1.702 * jnp.minimum(g, 0.3))
+  args = tuple(map(jnp.asarray, (x, ids, weights, gate, up, down)))
+  b = tuple(map(jnp.asarray, biases))
+  cot = jnp.asarray(np.random.RandomState(4).randn(*x.shape).astype(np.float32))
+  grouped = lambda a, b: jnp.sum(moe.experts_mlp(*a, jglu, impl="xla", biases=b) * cot)  # noqa: E731
+  dense = lambda a, b: jnp.sum(moe.reference(*a, jglu, biases=b) * cot)  # noqa: E731
+  want_grad = jax.grad(dense, argnums=1)(args, b)
+  with jax.set_mesh(make_mesh(shape, jax.devices()[:8]) if shape else jax.sharding.Mesh(jax.devices()[:1], ("x",))):
+    got = moe.experts_mlp(*args, jglu, impl="xla", biases=b)
+    got_grad = jax.jit(jax.grad(grouped, argnums=1))(args, b)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(moe.reference(*args, jglu, biases=b), want, rtol=1e-4, atol=1e-5)
+  for a, c in zip(got_grad, want_grad):
+    np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)
+  assert np.abs(np.asarray(got_grad[2])).max() > 0
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 1, 2, 2), (1, 2, 1, 4)])
@@ -125,7 +166,7 @@ def test_expert_parallel_experts_mlp_equals_one_device_under_skewed_routing(shap
   wrt = (0, 2, 3, 4, 5)
 
   def value_and_grad(fn):
-    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a, jax.nn.silu) * cot), argnums=wrt))(*args)
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a, SWIGLU) * cot), argnums=wrt))(*args)
 
   want = value_and_grad(moe.reference)
   mesh = make_mesh(shape, jax.devices()[:int(np.prod(shape))])
@@ -136,7 +177,7 @@ def test_expert_parallel_experts_mlp_equals_one_device_under_skewed_routing(shap
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   with jax.set_mesh(make_mesh((1, 1, 1, 3), jax.devices()[:3])):
     with pytest.raises(ValueError, match="8 experts do not split over the mesh's expert axis of 3"):
-      moe.experts_mlp(*args, jax.nn.silu)
+      moe.experts_mlp(*args, SWIGLU)
 
 
 def test_expert_adapters_equal_numpy_lora_per_token_on_one_device_and_a_mesh():
@@ -159,9 +200,9 @@ def test_expert_adapters_equal_numpy_lora_per_token_on_one_device_and_a_mesh():
 
   def value_and_grad(adapters):
     return jax.jit(jax.value_and_grad(lambda a: jnp.sum(moe.experts_mlp(
-        *args, jax.nn.silu, impl="xla", adapters=a, adapter_scale=s) * cot)))(adapters)
+        *args, SWIGLU, impl="xla", adapters=a, adapter_scale=s) * cot)))(adapters)
 
-  np.testing.assert_allclose(moe.experts_mlp(*args, jax.nn.silu, impl="xla", adapters=ad, adapter_scale=s), want,
+  np.testing.assert_allclose(moe.experts_mlp(*args, SWIGLU, impl="xla", adapters=ad, adapter_scale=s), want,
                              rtol=1e-4, atol=1e-5)
   one = value_and_grad(ad)
   with jax.set_mesh(make_mesh((1, 2, 2, 2))):
@@ -183,7 +224,7 @@ def test_megablox_experts_mlp_compiles_for_a_tpu_with_its_gradient():
   sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
 
   def loss(x, weights, gate, up, down, ids):
-    return jnp.sum(moe.experts_mlp(x, ids, weights, gate, up, down, jax.nn.silu).astype(jnp.float32))
+    return jnp.sum(moe.experts_mlp(x, ids, weights, gate, up, down, SWIGLU).astype(jnp.float32))
 
   bf = jnp.bfloat16
   with jax.set_mesh(mesh):

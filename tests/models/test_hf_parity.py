@@ -67,6 +67,10 @@ def test_bf16_compute_is_close(family_ckpt):
   lm = models.from_pretrained(path, dtype="bfloat16")
   ids, mask = ref.batch(model.config.vocab_size)
   want = ref.hf_logits(model, ids, mask)
-  got = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
+  routes = None
+  if lm.cfg.num_experts:  # the fp32 choices: a near-tie token routed elsewhere in bf16 is not a precision error
+    _, _, routing = models.from_pretrained(path, dtype="float32").forward_routed(jnp.asarray(ids), jnp.asarray(mask))
+    routes = routing.ids_BxTxK
+  got = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask), route_ids=routes))
   scale = np.abs(want).max()
   assert ref.max_diff(got, want, mask) <= 0.05 * scale, family

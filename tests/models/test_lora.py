@@ -48,7 +48,7 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
 
 @pytest.mark.parametrize("family,targets", [("llama", ("all-linear",)), ("qwen2", ("q_proj", "v_proj", "down")),
                                             ("qwen2_moe", ("all-linear",)), ("qwen3_moe", ("all-linear",)),
-                                            ("qwen3_moe_dense_layers", ("all-linear",))])
+                                            ("qwen3_moe_dense_layers", ("all-linear",)), ("gpt_oss", ("all-linear",))])
 def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, tmp_path):
   """MoE models: all-linear takes the attention, the shared expert (Qwen2-MoE) or the dense layers' MLP, and the
   routed experts (one adapter each). The hooks add the dense projections' adapters; with the experts' own randomised too, the reference is
@@ -63,7 +63,7 @@ def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, t
   np.testing.assert_allclose(fresh, base, atol=1e-6)  # B starts at zero: a fresh adapter changes nothing
 
   experts = ("expert_gate", "expert_up", "expert_down")
-  want = {"qwen3_moe": ("q", "k", "v", "o") + experts}.get(  # qwen3_moe: no shared expert
+  want = {"qwen3_moe": ("q", "k", "v", "o") + experts, "gpt_oss": ("q", "k", "v", "o") + experts}.get(
       family, tuple(n for n in lora.resolve_targets(targets) if "moe" in family or n not in experts))
   assert lora.model_targets(lm.layers, cfg) == want
   _randomise_adapters(lm)

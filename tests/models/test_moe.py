@@ -2,6 +2,8 @@
 transformers 5's fused expert tensors read like the hub's per-expert ones, parameter counts equal transformers',
 an MoE model sharded over an 8-device mesh equals one device (value and gradient), layouts not supported yet are
 refused by name."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,10 +42,48 @@ def test_parameter_counts_equal_transformers(family, tmp_path):
   cfg = models.from_pretrained(ref.save(model, tmp_path / "m")).cfg
   assert cfg.num_params() == sum(p.numel() for p in model.parameters())
   c = model.config
-  per_expert = 3 * c.hidden_size * (c.moe_intermediate_size if family != "mixtral" else c.intermediate_size)
+  f = getattr(c, "moe_intermediate_size", None) or c.intermediate_size  # Mixtral, gpt-oss: intermediate_size
+  per_expert = 3 * c.hidden_size * f + (2 * f + c.hidden_size if family == "gpt_oss" else 0)  # gpt-oss: biases
   sparse = c.num_hidden_layers - len(getattr(c, "mlp_only_layers", None) or [])
   assert cfg.num_params() - cfg.num_params(active=True) == sparse * per_expert * (
       cfg.num_experts - cfg.experts_per_token)
+
+
+def test_gpt_oss_mxfp4_experts_dequantise_on_load(tmp_path):
+  """A gpt-oss checkpoint in the hub's layout: experts as MXFP4 `*_blocks` / `*_scales` (uint8). Loaded, they equal
+  transformers' own dequantisation (`integrations.mxfp4.convert_moe_packed_tensors`) exactly, and the logits equal
+  transformers' model holding those weights; an export writes the plain bf16 / fp32 layout."""
+  import torch
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  model = ref.build("gpt_oss", intermediate_size=32)  # MXFP4 blocks of 32 along each projection's input
+  rng = np.random.RandomState(0)
+  state = {k: v.contiguous() for k, v in model.state_dict().items()}
+  for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+    e, d_in, d_out = state[name].shape
+    blocks = torch.tensor(rng.randint(0, 256, (e, d_out, d_in // 32, 16)), dtype=torch.uint8)
+    scales = torch.tensor(rng.randint(121, 125, (e, d_out, d_in // 32)), dtype=torch.uint8)
+    plain = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert plain.shape == state[name].shape
+    with torch.no_grad():
+      model.get_parameter(name).copy_(plain)
+    del state[name]
+    state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+  hub = tmp_path / "hub"
+  hub.mkdir()
+  safetensors.torch.save_file(state, str(hub / "model.safetensors"))
+  ref.save(model, tmp_path / "plain")  # the same weights, dequantised
+  config = json.loads((tmp_path / "plain" / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+  (hub / "config.json").write_text(json.dumps(config))
+  lm = models.from_pretrained(str(hub), dtype="float32")
+  dense = models.from_pretrained(str(tmp_path / "plain"), dtype="float32")
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(lm)), nnx.to_pure_dict(nnx.state(dense)))
+  ids, mask = ref.batch(model.config.vocab_size)
+  assert ref.max_diff(lm(jnp.asarray(ids), jnp.asarray(mask)), ref.hf_logits(model, ids, mask), mask) <= 1e-4
+  models.save_pretrained(lm, tmp_path / "out")
+  back = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
+  torch.testing.assert_close(back["model.layers.0.mlp.experts.gate_up_proj"],
+                             model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 2, 2), (2, 1, 1, 3), (1, 1, 1, 6)])
@@ -136,7 +176,7 @@ def test_dense_and_sparse_layer_settings_and_unsupported_layouts():
     from_hf_config({k: v for k, v in hf.items() if k != "num_experts"})
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe_dense_layers"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe_dense_layers", "gpt_oss"])
 def test_router_terms_equal_transformers_load_balancing_loss_with_padding(family, tmp_path):
   """`moe/aux_loss` is transformers 5's `load_balancing_loss_func` over every layer's router logits (padding masked),
   the z-loss ST-MoE's mean logsumexp^2, from the same forward."""
@@ -170,7 +210,7 @@ def test_router_terms_equal_transformers_load_balancing_loss_with_padding(family
   assert router.coefficients(cfg, router.RouterLoss(None, rl=True)) == (0.0, 0.0)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_dense_layers"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_dense_layers", "gpt_oss"])
 def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_they_agree(family, tmp_path):
   """Replaying a forward's own choices gives the same hidden states (mismatch exactly 0); replaying another
   model's choices routes every token by them (the layer reports them as used, the mismatch counts the differences)
@@ -193,12 +233,16 @@ def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_the
   _, _, used = lm.forward_routed(ids, mask, route_ids=theirs.ids_BxTxK)
   np.testing.assert_array_equal(used.ids_BxTxK, theirs.ids_BxTxK)
   real = np.asarray(mask, bool)[None, :, :, None]
-  differ = np.sum(np.any(np.asarray(own.ids_BxTxK)[..., :, None] == np.asarray(theirs.ids_BxTxK)[..., None, :],
-                         axis=-2) == 0, where=real)
-  assert float(jnp.sum(used.mismatch_sum)) == differ > 0
-  _, metrics = router.terms(used, lm.cfg, router.RouterLoss())
-  np.testing.assert_allclose(metrics["moe/routing_mismatch"], differ / (np.sum(mask) * len(lm.cfg.moe_layers) * 2),
-                             rtol=1e-6)
+  differ_L = np.sum(np.any(np.asarray(own.ids_BxTxK)[..., :, None] == np.asarray(theirs.ids_BxTxK)[..., None, :],
+                           axis=-2) == 0, axis=(1, 2, 3), where=real)
+  # Compared, not replayed: the router's own choices are the plain forward's, so every layer's count is exact;
+  # replayed, later layers see other inputs, so only the first layer's count is the plain forward's.
+  _, _, compared = lm.forward_routed(ids, mask, route_ids=theirs.ids_BxTxK, replay=False)
+  np.testing.assert_array_equal(compared.mismatch_sum, differ_L)
+  assert float(used.mismatch_sum[0]) == differ_L[0] > 0
+  _, metrics = router.terms(compared, lm.cfg, router.RouterLoss())
+  np.testing.assert_allclose(metrics["moe/routing_mismatch"],
+                             differ_L.sum() / (np.sum(mask) * len(lm.cfg.moe_layers) * 2), rtol=1e-6)
 
   graphdef, params = nnx.split(lm)
   grad = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).forward_routed(ids, mask, route_ids=theirs.ids_BxTxK)[0]
