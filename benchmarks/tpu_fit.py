@@ -57,6 +57,9 @@ CASES += [(f"{task} 30b-a3b v6e-8 8k lora{' ep' if len(mesh) > 3 else ''}", task
            16) for task in ("sft", "grpo") for mesh in ((1, 8, 1), (1, 1, 1, 8))]
 CASES += [(f"grpo 235b-a22b v5p-64 8k{' ep' if len(mesh) > 3 else ''}", "grpo", "qwen3-235b-a22b", "v5p-64", 8192,
            mesh) for mesh in ((1, 32, 1), (1, 4, 1, 8), (1, 2, 1, 16))]
+# gpt-oss-20b (32 experts, top 4; attention sinks, so `chunked` attention in place of splash)
+CASES += [(f"grpo gpt-oss-20b v5p-8 8k{' ep' if len(mesh) > 3 else ''}", "grpo", "gpt-oss-20b", "v5p-8", 8192, mesh)
+          for mesh in ((1, 4, 1), (1, 1, 1, 4))]
 
 
 def main():

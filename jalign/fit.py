@@ -26,7 +26,7 @@ import os
 import sys
 
 # Preset shapes from the published Hugging Face configs (config.json of meta-llama/Meta-Llama-3-8B and -70B,
-# Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B); `rope_theta` becomes the RoPE config.
+# Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B and openai/gpt-oss-20b); `rope_theta` and `rope` become the RoPE config.
 _QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, num_kv_heads=4, head_dim=128, qk_norm=True,
                   max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
                   norm_topk_prob=True, rope_theta=1e6)
@@ -41,6 +41,14 @@ ARCHS = {
                           moe_intermediate_size=768),
     "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
                             moe_intermediate_size=1536),
+    # 32 experts, top 4, of 2880 each; attention sinks, sliding (128) and full layers alternating, YaRN x32.
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, num_experts=32, experts_per_token=4, moe_intermediate_size=2880,
+                        norm_topk_prob=True, qkv_bias=True, out_bias=True, attn_sinks=True, router_bias=True,
+                        expert_bias=True, swiglu_limit=7.0, sliding_window=128,
+                        layer_types=("sliding_attention", "full_attention") * 12, rope_theta=150000.0,
+                        rope=dict(kind="yarn", factor=32.0, truncate=False, original_max_position_embeddings=4096)),
 }
 
 
@@ -48,7 +56,7 @@ def arch_config(name: str):
   """The `ModelConfig` of a preset (`ARCHS`)."""
   from jalign.models.config import ModelConfig, RopeConfig
   shape = dict(ARCHS[name])
-  rope = RopeConfig(theta=shape.pop("rope_theta"))
+  rope = RopeConfig(theta=shape.pop("rope_theta"), **shape.pop("rope", {}))
   return ModelConfig(**shape, rope=rope)
 
 

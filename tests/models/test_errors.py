@@ -45,8 +45,12 @@ def test_unsupported_model_type_lists_supported(ckpt):
 
 
 def test_unsupported_rope_scaling(ckpt):
+  _edit_config(ckpt, rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4})
+  with pytest.raises(models.ConfigError,
+                     match="rope type 'longrope' is not supported; accepted: default, linear, llama3, yarn"):
+    models.from_pretrained(str(ckpt))
   _edit_config(ckpt, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
-  with pytest.raises(models.ConfigError, match="rope type 'yarn' is not supported; accepted: default, linear, llama3"):
+  with pytest.raises(models.ConfigError, match="yarn rope scaling needs key 'original_max_position_embeddings'"):
     models.from_pretrained(str(ckpt))
 
 

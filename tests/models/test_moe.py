@@ -330,3 +330,29 @@ def test_capacity_drops_choices_past_each_experts_share_in_gshard_order(tmp_path
   with pytest.raises(ConfigError, match="model.moe_capacity_factor.*RL and sampling route dropless"):
     from tests.configs_util import run_config
     run_config("grpo", model__moe_capacity_factor=1.25)
+
+
+@pytest.mark.parametrize("arch, hf", [
+    ("qwen3-30b-a3b", dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                           rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    ("gpt-oss-20b", dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                         num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                         num_local_experts=32, num_experts_per_tok=4))])
+def test_fit_presets_count_the_parameters_transformers_builds(arch, hf):
+  """The `--arch` presets against transformers' models of the published shapes, built on the meta device (no
+  memory): total parameters, and the config read back from the HF form equals the preset's checkpoint fields."""
+  import torch
+  import transformers
+
+  from jalign import fit
+  config = transformers.AutoConfig.for_model(**hf)
+  with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(config)
+  cfg = fit.arch_config(arch)
+  assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+  back = from_hf_config(config.to_dict())
+  for key in ("num_experts", "moe_intermediate_size", "attn_sinks", "router_bias", "expert_bias", "swiglu_limit",
+              "layer_types", "sliding_window", "rope", "qkv_bias", "out_bias", "norm_topk_prob"):
+    assert getattr(back, key) == getattr(cfg, key), key
