@@ -112,7 +112,8 @@ def gated(activation: Callable) -> Callable:
 
 def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, gate_ExDxF: jax.Array,
                 up_ExDxF: jax.Array, down_ExFxD: jax.Array, glu: Callable, *, impl: str = "auto",
-                adapters: tuple | None = None, adapter_scale: float = 1.0, biases: tuple | None = None) -> jax.Array:
+                adapters: tuple | None = None, adapter_scale: float = 1.0, biases: tuple | None = None,
+                adapter_dropout: tuple[float, jax.Array] | None = None) -> jax.Array:
   """sum_j weights[t, j] * down_e(glu(x_t gate_e, x_t up_e)), e = ids[t, j]: [T, D] in x's dtype (`glu`: e.g.
   `gated(jax.nn.silu)`). Dropless: the T*k token copies sorted by expert, three grouped matmuls over them, then
   unsorted.
@@ -120,7 +121,9 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   `adapters`: per-expert LoRA adapters of gate, up and down, each (A [E, in, r], B [E, r, out]) or None; a
   projection with one computes x W_e + adapter_scale x (x A_e) B_e, two more grouped matmuls of rank r.
   `biases`: per-expert biases of gate, up and down ([E, F], [E, F], [E, D]; gpt-oss), added to each projection's
-  output (the down one's weighted like it).
+  output (the down one's weighted like it). `adapter_dropout`: (rate, key): inverted dropout on each adapter's input
+  rows, a mask per projection and token copy (PEFT's `lora_dropout` on per-expert modules); under a mesh each device
+  folds its index into the key.
 
   On a mesh (`jax.set_mesh`) it runs under `shard_map`: each device routes its own rows (tokens split over the
   data-parallel axes, `row_axes`), with the experts' hidden dimension split over `tensor` (Megatron-style: the down
@@ -130,7 +133,8 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   kernel needs the shard_map (it is not partitioned automatically); sorting locally also keeps XLA from gathering
   every token to sort them."""
   mesh = jax.sharding.get_abstract_mesh()
-  mlp = functools.partial(_grouped_mlp, glu=glu, impl=impl, scale=adapter_scale)
+  rate, key = adapter_dropout if adapters is not None and adapter_dropout and adapter_dropout[0] > 0 else (0.0, None)
+  mlp = functools.partial(_grouped_mlp, glu=glu, impl=impl, scale=adapter_scale, rate=rate)
   gate_bias, up_bias, down_bias = biases or (None,) * 3
   w = (gate_ExDxF, up_ExDxF, down_ExFxD, gate_bias, up_bias)
   # The down projection's bias outside the experts' matmuls (and the shard_map, whose `tensor` shards each hold a
@@ -138,7 +142,7 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   extra = 0 if down_bias is None else jnp.einsum("tkd,tk->td", jnp.take(down_bias, ids_TxK, axis=0).astype(
       x_TxD.dtype), weights_TxK.astype(x_TxD.dtype))
   if mesh.empty or mesh.size == 1:
-    return _experts_local(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp) + extra
+    return _experts_local(x_TxD, ids_TxK, weights_TxK, w, adapters, functools.partial(mlp, key=key)) + extra
   E, _, F = gate_ExDxF.shape
   tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and F % mesh.shape["tensor"] == 0 else None
   ep = mesh.shape.get("expert", 1)
@@ -149,10 +153,12 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   row_spec = row_axes(x_TxD.shape[0])
   rows = P(row_spec)
 
-  def local(x, ids, weights, w, a):
+  def local(x, ids, weights, w, a, key):
+    if key is not None:  # each device its own masks
+      key = jax.random.fold_in(key, jax.lax.axis_index(tuple(mesh.axis_names)))
     if expert is None:
-      return _experts_local(x, ids, weights, w, a, mlp)[None]
-    return _exchanged(x, ids, weights, w, a, mlp, ep)[None]
+      return _experts_local(x, ids, weights, w, a, functools.partial(mlp, key=key))[None]
+    return _exchanged(x, ids, weights, w, a, functools.partial(mlp, key=key), ep)[None]
 
   # The down projection's input (the hidden dimension) is split over `tensor`: its adapter's A like its weight, B
   # whole (its partial sums add up like the weight's). Gate and up: A whole, B split over their output.
@@ -164,9 +170,9 @@ def experts_mlp(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, ga
   # Each `tensor` shard's partial sums come out stacked and are added outside the shard_map, where the sum's
   # gradient (a broadcast) is XLA's own (Mosaic needs check_vma off, under which a psum would not transpose right).
   partial_SxTxD = jax.shard_map(
-      local, in_specs=(rows, rows, rows, w_specs, a_specs), out_specs=P(tensor, row_spec),
-      axis_names=set(mesh.axis_names), check_vma=False)(
-      x_TxD, ids_TxK, weights_TxK, w, adapters)
+      local, in_specs=(rows, rows, rows, w_specs, a_specs, None if key is None else P()),
+      out_specs=P(tensor, row_spec), axis_names=set(mesh.axis_names), check_vma=False)(
+      x_TxD, ids_TxK, weights_TxK, w, adapters, key)
   return jnp.sum(partial_SxTxD, axis=0) + extra
 
 
@@ -195,9 +201,10 @@ def _exchanged(x_TxD, ids_TxK, weights_TxK, w, adapters, mlp, ep: int):
   return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
 
 
-def _grouped_mlp(x_RxD, row_M, ids_M, w, adapters, *, glu, impl, scale):
+def _grouped_mlp(x_RxD, row_M, ids_M, w, adapters, *, glu, impl, scale, rate=0.0, key=None):
   """Row `row_M[m]` of x through expert `ids_M[m]`'s MLP, for each m ([M, D]; ids_M = E: none, a zero row). `w`:
-  the (gate, up, down) weights and the gate's and up's biases (or None); `adapters`: theirs (`experts_mlp`)."""
+  the (gate, up, down) weights and the gate's and up's biases (or None); `adapters`: theirs, their input dropped
+  out at `rate` with `key` (`experts_mlp`)."""
   E = w[0].shape[0]
   order = jnp.argsort(ids_M, stable=True)
   sizes_E = jnp.bincount(ids_M, length=E)  # ids == E (none) fall outside: those rows sort last and come back zero
@@ -211,6 +218,9 @@ def _grouped_mlp(x_RxD, row_M, ids_M, w, adapters, *, glu, impl, scale):
     if adapters[j] is None:
       return y
     a, b = adapters[j]
+    if key is not None:
+      keep = jax.random.bernoulli(jax.random.fold_in(key, j), 1 - rate, x.shape)
+      x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
     return y + scale * grouped_matmul(grouped_matmul(x, a, sizes_E, impl=impl), b, sizes_E, impl=impl)
 
   ys = proj(glu(proj(xs, 0), proj(xs, 1)), 2)

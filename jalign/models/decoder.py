@@ -138,7 +138,9 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     routed, routing = moe_block.experts(cfg, h, lp, q_segment_BxT != 0, route_ids_BxTxK,
                                         _activation(cfg.activation), replay=replay,
                                         adapters=lora_lib.expert_adapters(lp, lora),
-                                        adapter_scale=lora.scale if lora is not None else 1.0)
+                                        adapter_scale=lora.scale if lora is not None else 1.0,
+                                        adapter_dropout=None if dropout_key is None or lora is None else (
+                                            lora.dropout, jax.random.fold_in(dropout_key, len(lora_lib.PROJECTIONS))))
     out = routed if out is None else out + routed
   if cfg.post_norms:
     out = rms_norm(out, lp["post_ffw_norm"], cfg)

@@ -86,11 +86,6 @@ def model_targets(layers, cfg: LoraConfig) -> tuple[str, ...]:
   if not names:
     raise ConfigError(f"LoRA targets {list(cfg.targets)} match no projection this model has (an MoE model without "
                       "a shared expert has no dense MLP projections: target q, k, v, o, or the experts)")
-  if cfg.dropout and any(n in EXPERTS for n in names):
-    routed = ", ".join(n for n in names if n in EXPERTS)
-    raise ConfigError(f"LoRA dropout={cfg.dropout} with adapters on routed experts ({routed}): "
-                      "dropout is applied to the dense projections' adapters only; set lora.dropout=0, or target "
-                      "q, k, v, o (and a shared expert's gate, up, down)")
   return names
 
 

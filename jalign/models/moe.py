@@ -29,7 +29,8 @@ class Routing:
 
 
 def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, activation: Callable, *,
-            replay: bool = True, adapters: tuple | None = None, adapter_scale: float = 1.0):
+            replay: bool = True, adapters: tuple | None = None, adapter_scale: float = 1.0,
+            adapter_dropout: tuple | None = None):
   """The routed experts' share of the MLP (`cfg`: the decoder's ModelConfig), each token's top-k experts weighted
   by their gate values, and the layer's `Routing`. The router runs in fp32 whatever the compute dtype, so which
   experts a token picks does not hinge on bf16 rounding.
@@ -37,7 +38,8 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
   `recorded_BxTxK`: choices made elsewhere (the sampler's; -1 on a token = none recorded), compared with the
   router's own (`Routing.mismatch_sum`) and, with `replay`, used instead of them: their gate values are still the
   router's own probabilities at those experts, so the router trains through them. `adapters`: the experts' LoRA
-  adapters (`lora.expert_adapters`), added times `adapter_scale`."""
+  adapters (`lora.expert_adapters`), added times `adapter_scale`, their inputs dropped out by `adapter_dropout`
+  ((rate, key), training only)."""
   B, T, D = h_BxTxD.shape
   dt = h_BxTxD.dtype
   k = cfg.experts_per_token
@@ -72,7 +74,7 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
   out = moe.experts_mlp(h_NxD, ids_NxK, weights_NxK.astype(dt), lp["expert_gate"].astype(dt),
                         lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), glu(cfg, activation),
                         impl=cfg.moe_impl, adapters=jax.tree.map(lambda a: a.astype(dt), adapters),
-                        adapter_scale=adapter_scale, biases=biases)
+                        adapter_scale=adapter_scale, biases=biases, adapter_dropout=adapter_dropout)
   probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
   lse_N = jax.nn.logsumexp(logits_NxE, axis=-1)
   entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)

@@ -237,3 +237,28 @@ def test_megablox_experts_mlp_compiles_for_a_tpu_with_its_gradient():
   assert mem.argument_size_in_bytes >= weights_bytes
   # The dense all-experts form would hold [E, T, F] activations (805 MB in bf16); the grouped one holds [T*k, F].
   assert mem.temp_size_in_bytes < e * t * f * 2
+
+
+@pytest.mark.parametrize("shape", [None, (1, 2, 1, 4)])
+def test_expert_adapter_dropout_is_inverted_dropout_of_each_copys_adapter_input(shape):
+  """Dropout on the experts' adapters (PEFT's lora_dropout on per-expert modules): rate 0 changes nothing; each key
+  draws other masks; the down projection's adapter is linear in its dropped-out input, so over many keys its mean is
+  the no-dropout value (inverted dropout is unbiased), on one device and on a mesh (each device its own masks)."""
+  from jalign.models.sharding import make_mesh
+  x, ids, weights, gate, up, down = _experts(t=32)
+  rng, r, s = np.random.RandomState(7), 3, 0.5
+  e, d, f = gate.shape
+  down_only = (None, None, (jnp.asarray(rng.randn(e, f, r).astype(np.float32) * 0.3),
+                            jnp.asarray(rng.randn(e, r, d).astype(np.float32) * 0.3)))
+  args = tuple(map(jnp.asarray, (x, ids, weights, gate, up, down)))
+  with jax.set_mesh(make_mesh(shape, jax.devices()[:8]) if shape else jax.sharding.Mesh(jax.devices()[:1], ("x",))):
+    run = jax.jit(lambda key, rate: moe.experts_mlp(*args, SWIGLU, impl="xla", adapters=down_only,
+                                                   adapter_scale=s, adapter_dropout=(rate, key)), static_argnums=1)
+    want = np.asarray(moe.experts_mlp(*args, SWIGLU, impl="xla", adapters=down_only, adapter_scale=s))
+    base = np.asarray(moe.experts_mlp(*args, SWIGLU, impl="xla"))
+    np.testing.assert_array_equal(np.asarray(run(jax.random.key(0), 0.0)), want)
+    samples = np.stack([np.asarray(run(jax.random.key(i), 0.5)) for i in range(300)])
+  assert np.abs(samples[0] - samples[1]).max() > 1e-3  # other keys, other masks
+  mean, sem = samples.mean(0), samples.std(0) / np.sqrt(len(samples))
+  assert np.all(np.abs(mean - want) <= 4.5 * sem + 1e-6), np.abs(mean - want).max()
+  assert np.abs(want - base).max() > 10 * sem.max()  # the adapter's share is well above the test's noise

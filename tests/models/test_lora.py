@@ -123,14 +123,23 @@ def test_dropout_only_with_a_key():
   assert float(jnp.max(jnp.abs(dropped - plain))) > 1e-3
 
 
-def test_dropout_with_adapters_on_routed_experts_is_refused_by_name():
-  """Dropout applies to the dense projections' adapters only: on an MoE model all-linear with dropout is an error
-  naming the experts' projections, the attention alone is not."""
+def test_dropout_with_adapters_on_routed_experts_acts_only_in_training_forwards():
+  """all-linear with dropout on an MoE model: the experts' adapters too (tests/kernels/test_moe.py checks the
+  masks); a forward without a dropout key is the eval forward, one with a key differs, and gradients reach every
+  adapter through it."""
   cfg = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                            num_kv_heads=1, head_dim=8, model_type="mixtral", num_experts=4, experts_per_token=2,
                            moe_intermediate_size=8, norm_topk_prob=True)
-  with pytest.raises(ValueError, match=r"dropout=0.1 with adapters on routed experts \(expert_gate, expert_up, "
-                                       r"expert_down\).*set lora.dropout=0"):
-    lora.add_adapters(models.create(cfg), lora.LoraConfig(rank=2, dropout=0.1))
-  lm = lora.add_adapters(models.create(cfg), lora.LoraConfig(rank=2, dropout=0.1, targets=("q", "v")))
-  assert lora.model_targets(lm.layers, lm.layers.lora) == ("q", "v")
+  lm = lora.add_adapters(models.create(cfg), lora.LoraConfig(rank=2, dropout=0.3))
+  assert lora.model_targets(lm.layers, lm.layers.lora) == ("q", "k", "v", "o") + lora.EXPERTS
+  _randomise_adapters(lm)
+  ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 9)))
+  plain = lm.forward(ids)[0]
+  np.testing.assert_array_equal(lm.forward(ids)[0], plain)
+  dropped = lm.forward(ids, dropout_rng=jax.random.key(1))[0]
+  assert float(jnp.abs(dropped - plain).max()) > 1e-4
+  graphdef, params = nnx.split(lm)
+  grads = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).forward(ids, dropout_rng=jax.random.key(1))[0] ** 2))(
+      params)
+  for name in lora.EXPERTS:
+    assert float(jnp.abs(grads["layers"][name + lora.SUFFIX_A][...]).max()) > 0, name
