@@ -130,9 +130,6 @@ def check(cfg, dp: int) -> None:
     raise ConfigError(f"config.grpo.max_gen_batches={g.max_gen_batches}: must be >= 1, and > 1 (refilling) only "
                       "with grpo.dynamic_sampling=True")
   if env.name:
-    if g.routing_replay:
-      raise ConfigError("config.grpo.routing_replay with env.name: the experts of a multi-turn episode's tokens are "
-                        "not recorded yet (each turn re-reads the conversation); set routing_replay=False")
     if g.buffer:
       raise ConfigError("config.env.name: environments run online; a replay buffer (grpo.buffer) holds no episodes")
     if a.estimator == "remax":

@@ -29,7 +29,7 @@ from jalign.rl import rollout
 from jalign.rl.agentic import agent
 from jalign.rl.agentic import env as env_lib
 from jalign.rl.agentic.env import EnvSection
-from jalign.rl.batch import RolloutBatch
+from jalign.rl.batch import RolloutBatch, pad_routes
 from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups, OfflineBuffer
 from jalign.rl.rollout import SamplingSection
@@ -96,16 +96,22 @@ class RolloutStage:
     records = [self.source[i] for i in indices]
     sample = agent.sampler(lm, tok, key, max_turn_tokens=s.max_new_tokens, temperature=s.temperature,
                            pad_id=tok.pad_id, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, slots=s.slots,
-                           mesh=self.mesh, rules=self.rules)
+                           mesh=self.mesh, rules=self.rules, record_routes=bool(lm.cfg.num_experts))
     out = agent.rollout(self.make_env, tok, records, n, sample, max_turn_tokens=s.max_new_tokens,
                         max_tokens=self.max_tokens)
     prompts = [Prompt(i, out.prompt_ids[j * n], tok.decode(out.prompt_ids[j * n], skip_special_tokens=False),
                       ground_truth_of(records[j]), self.source.where(i)) for j, i in enumerate(indices)]
     width = sampling.prompt_bucket(out.response.shape[1])  # a few update shapes, not one per longest episode
     pad = lambda a, value=0: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)  # noqa: E731
+    routes = {}
+    if out.routes is not None:  # each episode's experts, split at its prompt like the single-turn rollouts'
+      p = [len(ids) for ids in out.prompt_ids]
+      routes = dict(prompt_routes=pad_routes([r[None, :n_p] for r, n_p in zip(out.routes, p)], left=True),
+                    response_routes=pad_routes([r[None, n_p:] for r, n_p in zip(out.routes, p)], left=False,
+                                               width=width))
     return Groups(prompts=prompts, size=n, response=pad(out.response, tok.pad_id), lengths=out.lengths,
                   scores=out.rewards, sampler_logp=pad(out.logprobs), loss_mask=pad(out.loss_mask),
-                  counts=out.counts(), token_rewards=pad(out.token_rewards))
+                  counts=out.counts(), token_rewards=pad(out.token_rewards), **routes)
 
   def episode_accuracies(self, lm, records: list[dict], key, batch_size: int = 256) -> dict:
     """Greedy held-out accuracy of whole episodes (eval/accuracy) and, when the environment has tools, of one answer

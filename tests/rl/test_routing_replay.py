@@ -98,11 +98,57 @@ def test_a_buffer_carries_the_experts_into_offline_grpo(moe_policy, tmp_path):
                              grpo__eval_prompts="", **QUIET))
 
 
-def test_replay_needs_experts_and_single_turn_episodes(tmp_path):
+def test_replay_needs_experts(tmp_path):
   with pytest.raises(ConfigError, match=r"grpo.routing_replay: the policy \(llama\) has no experts"):
     grpo_task.run(run_config("grpo", run_dir=str(tmp_path / "a"), grpo__routing_replay=True, **QUIET))
-  with pytest.raises(ConfigError, match="grpo.routing_replay with env.name"):
-    run_config("grpo", run_dir=str(tmp_path / "b"), grpo__routing_replay=True, env__name="calculator")
+
+
+def test_multi_turn_episodes_record_each_tokens_experts(moe_policy):
+  """Three turns with the environment's ids between them: each call re-reads the conversation, and every token of
+  the episode keeps the experts of the last call that read it (the prefill for earlier turns and observations, the
+  decode for the last turn's tokens, whose final token no call reads). A teacher-forced fp32 forward over the whole
+  episode routes every recorded token the same way."""
+  from jalign.rl.agentic import agent
+  from jalign.rl.agentic import env as env_lib
+  lm = models.from_pretrained(moe_policy, dtype="float32")
+  tok = load_tokenizer(moe_policy)
+  again = tok.encode("2+2=", add_special_tokens=False)
+
+  class ThreeTurns(env_lib.Env):
+    def reset(self, record):
+      self.turn = 0
+      return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, action_text, action_ids=None):
+      self.turn += 1
+      return env_lib.Step([] if self.turn == 3 else again, 0.0, self.turn == 3, {"turns": self.turn})
+
+  sample = agent.sampler(lm, tok, jax.random.key(0), max_turn_tokens=6, temperature=1.0, pad_id=tok.pad_id,
+                         record_routes=True)
+  out = agent.rollout(ThreeTurns, tok, [{"prompt": "1+1="}, {"prompt": "3+4="}], 2, sample, max_turn_tokens=6,
+                      max_tokens=lm.cfg.max_position_embeddings)
+  L, k = len(lm.cfg.moe_layers), lm.cfg.experts_per_token
+  assert [i["turns"] for i in out.info] == [3] * 4
+  for e, routes in zip(out.episodes, out.routes):
+    assert routes.shape == (len(e.ids), L, k)
+    recorded = routes[:, 0, 0] >= 0  # all but the last token sampled (a truncated last turn's too)
+    assert recorded[:-1].all() and not recorded[-1]
+    ids = jnp.asarray([e.ids])
+    _, _, own = lm.forward_routed(ids, jnp.ones_like(ids), route_ids=jnp.asarray(routes[None]).transpose(2, 0, 1, 3),
+                                  replay=False)
+    assert float(jnp.sum(own.mismatch_sum)) == 0.0 and float(jnp.sum(own.recorded)) == L * recorded.sum()
+
+
+def test_grpo_on_episodes_replays_the_samplers_experts(moe_policy, tmp_path):
+  """env.name with routing replay: the episodes' experts reach the update (mismatch 0 in fp32)."""
+  cfg = run_config("grpo", run_dir=str(tmp_path), model__path=moe_policy, train__steps=2, grpo__routing_replay=True,
+                   grpo__no_signal="update", grpo__eval_examples=0, env__name="answer", env__max_turns=2, **QUIET)
+  task = grpo_task.task(cfg)
+  grpo_task.loop.run(cfg, task)
+  steps = _steps(tmp_path)
+  assert len(steps) == 2 and task.abstract_batch(task.setup.model_cfg).routes is not None
+  for r in steps:
+    assert r["rollout/routing_mismatch"] == 0.0 and r["rollout/logprob_abs_diff_max"] < 1e-4, r
 
 
 def test_regrouped_batches_keep_each_tokens_experts(moe_policy):

@@ -22,9 +22,10 @@ from jalign.models.sharding import to_host
 from jalign.rl.agentic.env import Env, with_tools
 from jalign.rl.agentic.episode import Episode, EpisodeError
 
-# sample_fn(list of token-id lists) -> (tokens [B, T], log-probs [B, T], lengths [B]): one turn per row, stopping at
-# (and including) the end-of-turn token.
-SampleFn = Callable[[list[list[int]]], tuple[np.ndarray, np.ndarray, np.ndarray]]
+# sample_fn(list of token-id lists) -> (tokens [B, T], log-probs [B, T], lengths [B][, routes]): one turn per row,
+# stopping at (and including) the end-of-turn token; an MoE policy's sampler may add routes [B, P + T, L, k], the
+# experts of each left-padded prompt column and response token (`sampling.GenerateOutput.routes`).
+SampleFn = Callable[[list[list[int]]], tuple]
 
 
 @dataclasses.dataclass
@@ -40,6 +41,9 @@ class Episodes:
   info: list[dict]                     # [N] turns, tool_calls, tool_errors, truncated
   episodes: list[Episode]
   token_rewards: np.ndarray            # [N, R] each turn's reward on the turn's last token (GAE's token rewards)
+  # an MoE policy's (a sampler that records them): [N] arrays [len(ids), L, k], the experts of each of the episode's
+  # tokens in the last sampling call that read it (-1: none, e.g. an observation after the last turn)
+  routes: list[np.ndarray] | None = None
 
   def counts(self) -> np.ndarray:
     """[N, 4]: each episode's turns, tool calls, tool errors and whether it was truncated."""
@@ -61,17 +65,19 @@ def summary(counts: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
 
 
 def sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: int, slots: int = 0,
-            **kwargs) -> SampleFn:
+            record_routes: bool = False, **kwargs) -> SampleFn:
   """A SampleFn over `sampling.generate`'s continuous batching (`slots`; 0 = one per row of the call; left-padded
-  prompts; each call folds a counter into `rng`)."""
+  prompts; each call folds a counter into `rng`); `record_routes`: with each turn's experts (an MoE policy)."""
   calls = [0]
 
   def sample(rows: list[list[int]]):
     ids, mask = left_pad_ids(rows, pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.fold_in(rng, calls[0]), max_new_tokens=max_turn_tokens,
                             temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id,
-                            slots=slots, **kwargs)
+                            slots=slots, record_routes=record_routes, **kwargs)
     calls[0] += 1
+    if record_routes:
+      return to_host((out.tokens, out.logprobs, out.lengths, out.routes))
     return to_host((out.tokens, out.logprobs, out.lengths))
 
   return sample
@@ -88,14 +94,19 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
     logps.append([])
     infos.append(None)
   turn_rewards = [[] for _ in envs]  # (response position of the turn's last token, the turn's reward)
+  routes = [None] * len(envs)  # per episode, when recorded: [tokens read so far, L, k]
   active = [k for k, e in enumerate(episodes) if len(e.ids) + max_turn_tokens <= max_tokens]
   for k in set(range(len(envs))) - set(active):
     infos[k] = envs[k].info(truncated=True)
   while active:
-    tokens, logprobs, lengths = sample_fn([episodes[k].ids for k in active])
+    tokens, logprobs, lengths, *recorded = sample_fn([episodes[k].ids for k in active])
     still = []
     for row, k in enumerate(active):
       ep, env, length = episodes[k], envs[k], int(lengths[row])
+      if recorded:  # the conversation as this call's prefill routed it, then the new turn's tokens
+        width = recorded[0].shape[1] - tokens.shape[1]  # the call's left-padded prompt width
+        routes[k] = np.concatenate([recorded[0][row, width - len(ep.ids):width],
+                                    recorded[0][row, width:width + length]]).astype(np.int16)
       new = [int(t) for t in tokens[row, :length]]
       ended = length > 0 and new[-1] == tok.eos_id
       content = tok.decode(new[:-1] if ended else new, skip_special_tokens=False)  # [TOOL_CALLS] etc. are content
@@ -144,5 +155,12 @@ def rollout(make_env: Callable[[], Env], tok, records: list[dict], n: int, sampl
   # turns: the model turns sampled, a turn cut off by its token budget included
   infos = [{"tool_calls": 0, "tool_errors": 0, "truncated": False, "rewritten": False, **i, "turns": e.model_turns}
            for i, e in zip(infos, episodes)]
+  if any(r is not None for r in routes):  # tokens no call read (observations after the last turn): -1
+    shape = next(r for r in routes if r is not None).shape[1:]
+    routes = [np.concatenate([np.zeros((0, *shape), np.int16) if r is None else r,
+                              np.full((len(e.ids) - (0 if r is None else len(r)), *shape), -1, np.int16)])
+              for r, e in zip(routes, episodes)]
+  else:
+    routes = None
   return Episodes(n, [e.ids[:e.prompt_length] for e in episodes], response, lengths, loss_mask, logprobs,
-                  token_rewards.sum(1), infos, episodes, token_rewards)
+                  token_rewards.sum(1), infos, episodes, token_rewards, routes)
