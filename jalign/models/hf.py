@@ -266,9 +266,10 @@ def save_pretrained(lm: Decoder, out_dir: str, *, tokenizer=None, dtype: str | N
   layer_on_host = functools.lru_cache(maxsize=1)(lambda n, i: to_host(state["layers"][n][i]))
   for layer in range(cfg.num_layers):
     for name, spec in hf_tensors.layer_tensors(cfg, moe_block).items():
-      if layer not in cfg.stacked_layers(name):
+      held = cfg.stacked_layers(name)
+      if layer not in held:
         continue
-      i = cfg.stacked_layers(name).index(layer)  # the layer's slice of the parameter's stack
+      i = held.index(layer)  # the layer's slice of the parameter's stack
       if spec.joint is not None:  # two parameters in one HF tensor, written with the first
         other, parity = spec.joint
         if parity == 0:
