@@ -1,0 +1,199 @@
+"""Context parallelism for attention: queries, keys and values split along the sequence over a mesh axis
+(`sequence`), each device attending its own queries to every device's keys without ever holding all the scores.
+
+Two forms, both exact (the same online softmax as `chunked`, whose block kernels they run):
+- `ring` (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): the key/value shards travel round the
+  ring of devices (`ppermute`), one hop per step; each step continues every local query block's running softmax over
+  the visiting shard while the next shard is already in flight. The backward sends the shards round again with
+  their dk, dv accumulators, which arrive home after the last hop. Memory: two key/value shards per device.
+- `gather` (Llama 3, Dubey et al. 2024, section 3.3.2): the keys and values are all-gathered once and the local
+  queries attend to all of them; the backward reduce-scatters dk, dv. One collective instead of P - 1 hops, at
+  the cost of holding every key and value.
+- `auto` picks `gather` when the gathered keys and values take no more memory than the local queries (2 K P <= N:
+  grouped-query models on few shards), else `ring`.
+
+Masks are the shared ones (segments, causality by position, windows, soft-caps, sinks), read from each token's
+segment id and position, so the kernels do not care how tokens are laid out over the shards. With causal attention
+a contiguous split leaves the first shards idle for most of the ring; `zigzag` orders tokens so that shard d holds
+chunks d and 2P - 1 - d of 2P, and every shard does the same work (Brandon et al. 2023, "Striped Attention" and the
+zig-zag layout of Llama 3 and Megatron's context parallelism).
+
+Rows are split over the data-parallel axes and heads over `tensor` where they divide, as the other kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jalign.kernels import flash
+from jalign.kernels.target import row_axes
+
+AXIS = "sequence"
+FORMS = ("ring", "gather", "auto")
+
+
+def zigzag(length: int, shards: int) -> np.ndarray:
+  """Token order [length] for `shards` sequence shards: shard d takes chunks d and 2 * shards - 1 - d of 2 * shards
+  equal chunks (so each holds as many early as late tokens). `x[:, order]` lays a sequence out; `inverse` undoes it."""
+  if length % (2 * shards):
+    raise ValueError(f"zigzag: the sequence length ({length}) must be a multiple of twice the shards ({shards})")
+  chunks = np.arange(length).reshape(2 * shards, -1)
+  return np.concatenate([np.concatenate([chunks[d], chunks[2 * shards - 1 - d]]) for d in range(shards)])
+
+
+def inverse(order: np.ndarray) -> np.ndarray:
+  return np.argsort(order)
+
+
+def pick_form(form: str, shards: int, q_heads: int, kv_heads: int) -> str:
+  if form not in FORMS:
+    raise ValueError(f"context attention form {form!r}; available: {', '.join(FORMS)}")
+  if form != "auto":
+    return form
+  return "gather" if 2 * kv_heads * shards <= q_heads else "ring"
+
+
+def context_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_seg_BxT, kv_seg_BxT, q_pos_BxT, kv_pos_BxT, *, causal=True,
+                      sliding_window=None, softcap: float | None = None, scale: float, sinks=None,
+                      form: str = "auto", axis: str = AXIS, blocks: tuple[int, int] = (256, 256)):
+  """Self-attention [B, T, N, H] with the sequence split over the mesh axis `axis` of the current mesh
+  (`jax.set_mesh`). T need not divide evenly: the tail is padded (segment 0) and cut off again. Positions and
+  segment ids are those of each token wherever it sits (see `zigzag`). `sinks`: [N] logits."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
+  B, T, N, H = q_BxTxNxH.shape
+  K = k_BxTxKxH.shape[2]
+  if k_BxTxKxH.shape[1] != T:
+    raise ValueError(f"context attention is self-attention: q has {T} tokens, k {k_BxTxKxH.shape[1]}")
+  form = pick_form(form, shards, N, K)
+  local = -(-T // shards)
+  bq, bk = (min(b, local) for b in blocks)
+  local = -(-local // max(bq, bk)) * max(bq, bk)
+  if local % bq or local % bk:
+    raise ValueError(f"context attention blocks {blocks}: one must divide the other")
+  pad = lambda a: jnp.pad(a, [(0, 0), (0, local * shards - T)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+  window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+  has_sinks = sinks is not None
+  sinks_N = jnp.zeros((N,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+  args = (pad(q_BxTxNxH), pad(k_BxTxKxH), pad(v_BxTxKxH), *(pad(a.astype(jnp.int32)) for a in
+                                                               (q_seg_BxT, kv_seg_BxT, q_pos_BxT, kv_pos_BxT)))
+  if mesh.empty or shards == 1:  # nothing to split: the one-device kernel
+    out = flash.flash(*args, window, sinks_N.reshape(K, N // K), causal, softcap, float(scale), bq, bk, has_sinks)
+    return out[:, :T]
+  t = dict(mesh.shape).get("tensor", 1)
+  head = "tensor" if t > 1 and N % t == 0 and K % t == 0 else None
+  static = _Static(axis, shards, form, causal, softcap, float(scale), bq, bk, has_sinks, row_axes(B), head)
+  return _attend(*args, window, sinks_N, static)[:, :T]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The static configuration of one call (hashable: a custom_vjp's non-differentiable argument)."""
+  axis: str
+  shards: int
+  form: str
+  causal: bool
+  softcap: float | None
+  scale: float
+  bq: int
+  bk: int
+  has_sinks: bool
+  batch: tuple[str, ...] | None  # the axes that split rows
+  head: str | None               # the axis that splits heads
+
+  def specs(self):
+    """shard_map specs of tokens [B, T, N|K, H], rows [B, T], the logsumexp [T/bq, B, K, G, bq] and sinks [N]."""
+    return (P(self.batch, self.axis, self.head, None), P(self.batch, self.axis),
+            P(self.axis, self.batch, self.head, None, None), P(self.head))
+
+
+def _local_forward(q, k, v, qs, ks, qp, kp, window, sinks_N, static):
+  """One device: (output, logsumexp) of its queries over every shard's keys."""
+  kv_heads = k.shape[2]
+  sinks = sinks_N.reshape(kv_heads, -1) if static.has_sinks else None
+  run = functools.partial(flash.accumulate, causal=static.causal, softcap=static.softcap, scale=static.scale,
+                          bq=static.bq, bk=static.bk)
+  if static.form == "gather":
+    gather = lambda a: jax.lax.all_gather(a, static.axis, axis=1, tiled=True)  # noqa: E731
+    return run(q, gather(k), gather(v), qs, gather(ks), qp, gather(kp), window, sinks_KxG=sinks)
+  hop = _hop(static)
+
+  def step(_, c):
+    carry, visiting = c
+    arriving = hop(visiting)  # in flight while this shard is computed
+    carry = run(q, visiting[0], visiting[1], qs, visiting[2], qp, visiting[3], window, carry=carry)
+    return carry, arriving
+
+  carry = flash.start(q, kv_heads, static.bq, sinks)
+  carry, last = jax.lax.fori_loop(0, static.shards - 1, step, (carry, (k, v, ks, kp)))
+  carry = run(q, last[0], last[1], qs, last[2], qp, last[3], window, carry=carry)
+  return flash.finish(carry, q.dtype)
+
+
+def _local_backward(q, k, v, qs, ks, qp, kp, window, sinks_N, out, lse, d_out, static):
+  """One device: dq of its queries, dk and dv of its own keys (summed over every shard's queries), and its share
+  of the sinks' gradient."""
+  grads = functools.partial(flash.backward, causal=static.causal, softcap=static.softcap, scale=static.scale,
+                            bq=static.bq, bk=static.bk)
+  if static.form == "gather":
+    gather = lambda a: jax.lax.all_gather(a, static.axis, axis=1, tiled=True)  # noqa: E731
+    dq, dk, dv = grads(q, gather(k), gather(v), qs, gather(ks), qp, gather(kp), window, out, lse, d_out)
+    scatter = lambda a: jax.lax.psum_scatter(a, static.axis, scatter_dimension=1, tiled=True)  # noqa: E731
+    dk, dv = scatter(dk), scatter(dv)
+  else:
+    hop = _hop(static)
+
+    def step(_, c):
+      dq, visiting, dkv = c
+      arriving = hop(visiting)
+      dq_s, dk_s, dv_s = grads(q, visiting[0], visiting[1], qs, visiting[2], qp, visiting[3], window, out, lse,
+                               d_out)
+      return dq + dq_s, arriving, hop((dkv[0] + dk_s, dkv[1] + dv_s))
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dq, last, dkv = jax.lax.fori_loop(0, static.shards - 1, step,
+                                      (jnp.zeros(q.shape, jnp.float32), (k, v, ks, kp), (zeros, zeros)))
+    dq_s, dk_s, dv_s = grads(q, last[0], last[1], qs, last[2], qp, last[3], window, out, lse, d_out)
+    dq = dq + dq_s
+    dk, dv = hop((dkv[0] + dk_s, dkv[1] + dv_s))  # the last hop brings each shard's gradients home
+  d_sinks = jnp.zeros_like(sinks_N)
+  if static.has_sinks:
+    d_sinks = flash.sinks_grad(sinks_N.reshape(k.shape[2], -1), out, lse, d_out, static.bq).reshape(-1)
+    d_sinks = jax.lax.psum(d_sinks, (*(static.batch or ()), static.axis))  # every axis that splits queries
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
+
+
+def _hop(static):
+  """Send to the next device round the ring (device d receives from d - 1)."""
+  ring = [(d, (d + 1) % static.shards) for d in range(static.shards)]
+  return lambda tree: jax.tree.map(lambda a: jax.lax.ppermute(a, static.axis, ring), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attend(q, k, v, qs, ks, qp, kp, window, sinks_N, static):
+  return _attend_fwd(q, k, v, qs, ks, qp, kp, window, sinks_N, static)[0]
+
+
+def _attend_fwd(q, k, v, qs, ks, qp, kp, window, sinks_N, static):
+  tok, row, lse_spec, head = static.specs()
+  out, lse = jax.shard_map(functools.partial(_local_forward, static=static),
+                           in_specs=(tok, tok, tok, row, row, row, row, P(), head),
+                           out_specs=(tok, lse_spec), check_vma=False)(q, k, v, qs, ks, qp, kp, window, sinks_N)
+  return out, (q, k, v, qs, ks, qp, kp, window, sinks_N, out, lse)
+
+
+def _attend_bwd(static, res, d_out):
+  tok, row, lse_spec, head = static.specs()
+  dq, dk, dv, d_sinks = jax.shard_map(
+      functools.partial(_local_backward, static=static),
+      in_specs=(tok, tok, tok, row, row, row, row, P(), head, tok, lse_spec, tok),
+      out_specs=(tok, tok, tok, head), check_vma=False)(*res, d_out)
+  return dq, dk, dv, None, None, None, None, None, d_sinks
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
