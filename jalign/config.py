@@ -28,7 +28,7 @@ from jalign.objectives.grpo import PolicyLossSection
 from jalign.objectives.ppo import CriticSection
 from jalign.objectives.reward import RewardModelSection
 from jalign.parallel.distributed import DistributedSection, say
-from jalign.parallel.shardings import MeshSection
+from jalign.parallel.shardings import MESH_SHAPE, MeshSection
 from jalign.rewards.verifiable import RewardSection
 from jalign.rl import config as rl_config
 from jalign.rl.agentic.env import EnvSection
@@ -178,9 +178,9 @@ def validate(values, num_devices: int) -> RunConfig:
   if cfg.optim.warmup_steps > t.steps and cfg.task not in ("rollout", "eval"):  # a run cut short on the command line
     say(f"warning: config.optim.warmup_steps={cfg.optim.warmup_steps} is more than train.steps={t.steps}: the "
         f"warmup is clipped to {t.steps} steps")
-  if len(m.shape) not in (3, 4) or any(s == 0 or s < -1 for s in m.shape) or list(m.shape).count(-1) > 1:
-    raise ConfigError(f"config.mesh.shape={m.shape}: (data, fsdp, tensor) or (data, fsdp, tensor, expert); sizes "
-                      "must be positive, with at most one -1 (the rest)")
+  if len(m.shape) not in (3, 4, 5) or any(s == 0 or s < -1 for s in m.shape) or list(m.shape).count(-1) > 1:
+    raise ConfigError(f"config.mesh.shape={m.shape}: {MESH_SHAPE}; sizes must be positive, with at most one -1 (the "
+                      "rest)")
   fixed = 1
   for s in m.shape:
     fixed *= s if s != -1 else 1

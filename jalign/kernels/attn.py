@@ -16,6 +16,8 @@ impl:
   sinks.
 - `cudnn`: cuDNN's flash attention through `jax.nn.dot_product_attention` on GPU, in bf16 / fp16; causality and
   windows over slot indices (T == S), segments as a boolean mask (cuDNN adds it as a bias), no soft-cap, no sinks.
+- On a mesh with a `sequence` axis (context parallelism), self-attention (T == S) by every impl but `xla` runs
+  `kernels.context` (ring or all-gather attention over the sequence shards, `chunked` blocks on each device).
 - `auto`: the best for the target (the platform of the mesh set by `jax.set_mesh`, else the default backend): on
   TPU `splash` and on GPU `cudnn` where they apply, else (and on CPU) `xla` while the score tensor is small (the
   short sequences of the tests and the demo task, where it is fastest), `chunked` from `AUTO_CHUNKED_FROM` keys on.
@@ -25,8 +27,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jalign.kernels.context import context_attention
 from jalign.kernels.flash import attention_mask, flash
-from jalign.kernels.target import static_window, target_platform
+from jalign.kernels.target import sequence_shards, static_window, target_platform
 
 __all__ = ["IMPLS", "attention", "attention_mask", "gqa_attention", "softmax"]
 
@@ -94,6 +97,10 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
   q_pos = steps(T) if q_positions is None else q_positions.astype(jnp.int32)
   kv_pos = steps(S) if kv_positions is None else kv_positions.astype(jnp.int32)
   scale = H ** -0.5 if scale is None else float(scale)
+  if impl != "xla" and T == S and sequence_shards() > 1:
+    return context_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg, kv_seg, q_pos, kv_pos, causal=causal,
+                             sliding_window=sliding_window, softcap=softcap, scale=scale, sinks=sinks,
+                             blocks=blocks or BLOCKS)
   if impl == "auto":
     platform = target_platform()
     if platform == "tpu" and T == S and static_window(sliding_window) and sinks is None:

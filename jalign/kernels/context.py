@@ -31,10 +31,21 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jalign.kernels import flash
-from jalign.kernels.target import row_axes
+from jalign.kernels.target import SEQUENCE_AXIS, row_axes, sequence_shards
 
-AXIS = "sequence"
+AXIS = SEQUENCE_AXIS
 FORMS = ("ring", "gather", "auto")
+
+
+def shard_tokens(x_BxTx):
+  """`x` [B, T, ...] with its tokens split over the current mesh's `sequence` axis (rows over the data axes): the
+  layout a model's activations keep between layers, so each device holds 1 / P of every example's activations and
+  remat checkpoints. Unchanged without such an axis or where T does not divide."""
+  shards = sequence_shards()
+  if shards == 1 or x_BxTx.shape[1] % shards:
+    return x_BxTx
+  spec = P(row_axes(x_BxTx.shape[0]), AXIS, *(None,) * (x_BxTx.ndim - 2))
+  return jax.lax.with_sharding_constraint(x_BxTx, spec)
 
 
 def zigzag(length: int, shards: int) -> np.ndarray:

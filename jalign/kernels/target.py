@@ -6,11 +6,13 @@ import math
 import jax
 import numpy as np
 
-# The mesh's axes, in device order (`tensor` innermost, so its collectives stay on the nearest chips), and the ones
-# that split examples. `expert` is data-parallel outside the MoE layers and holds a share of the experts inside
-# them (`kernels.moe`), as MaxText and GShard lay expert parallelism out.
-AXIS_NAMES = ("data", "fsdp", "expert", "tensor")
+# The mesh's axes, in device order (`tensor` innermost, so its collectives stay on the nearest chips, `sequence`
+# next, so a ring's hops do too), and the ones that split examples. `expert` is data-parallel outside the MoE layers
+# and holds a share of the experts inside them (`kernels.moe`), as MaxText and GShard lay expert parallelism out.
+# `sequence` splits each example's tokens (context parallelism, `kernels.context`).
+AXIS_NAMES = ("data", "fsdp", "expert", "sequence", "tensor")
 DATA_AXES = ("data", "fsdp", "expert")
+SEQUENCE_AXIS = "sequence"
 
 
 def target_platform() -> str:
@@ -18,6 +20,12 @@ def target_platform() -> str:
   on another host), else the default backend."""
   mesh = jax.sharding.get_abstract_mesh()
   return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def sequence_shards() -> int:
+  """How many shards the current mesh splits each example's tokens into (its `sequence` axis; 1 without)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else dict(mesh.shape).get(SEQUENCE_AXIS, 1)
 
 
 def static_window(window) -> bool:

@@ -18,6 +18,7 @@ from flax import nnx
 from jalign import kernels
 from jalign.kernels.attn import AUTO_CHUNKED_FROM, gqa_attention
 from jalign.kernels.attn import attention_mask as _attention_mask
+from jalign.kernels.context import shard_tokens
 from jalign.models import lora as lora_lib
 from jalign.models import moe as moe_block
 from jalign.models.attention import apply_rope, positions_from_mask
@@ -260,6 +261,7 @@ class Decoder(nnx.Module):
         cache = KVCache(tuple(new_k), tuple(new_v), k_segment, cache_index + T)
       return rms_norm(x, self.final_norm[...], cfg), cache, moe_block.stack(routings)
 
+    x = shard_tokens(x)  # context parallelism: the layers' activations and checkpoints split over `sequence`
     keys_L = None
     if dropout_rng is not None and lora is not None and lora.dropout > 0:
       keys_L = jax.random.split(dropout_rng, cfg.num_layers)
@@ -273,7 +275,7 @@ class Decoder(nnx.Module):
       window = window if static_window is None else static_window
       x, _, routing = layer(cfg, x, lp, window, inv_freq, positions_BxT, segment_ids_BxT, q_index, None,
                             cache_index, key, recorded)
-      return x, routing
+      return shard_tokens(x), routing
 
     routings, moe_done = [], 0
     for start, end, lp in self.layer_runs():  # one scan per run of alike layers

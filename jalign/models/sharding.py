@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jalign.kernels.target import AXIS_NAMES, DATA_AXES
 
+MESH_SHAPE = "(data, fsdp, tensor), (data, fsdp, tensor, expert) or (data, fsdp, tensor, expert, sequence)"
 AXES = "axes"  # nnx.Param metadata key holding the parameter's logical axis names
 
 # Training layout: FSDP over `fsdp` (and `expert`) on the model dimension, Megatron-style TP over `tensor` on heads /
@@ -53,12 +54,12 @@ def without_fsdp(rules=DEFAULT_RULES):
 
 
 def make_mesh(shape: tuple[int, ...], devices=None) -> Mesh:
-  """An `AXIS_NAMES` mesh with Auto axes from sizes (data, fsdp, tensor) or (data, fsdp, tensor, expert), expert 1
-  when not given; one entry may be -1 (the remaining devices)."""
+  """An `AXIS_NAMES` mesh with Auto axes from sizes (data, fsdp, tensor[, expert[, sequence]]), those not given 1;
+  one entry may be -1 (the remaining devices)."""
   devices = np.asarray(devices if devices is not None else jax.devices())
-  if len(shape) not in (3, 4):
-    raise ValueError(f"mesh shape {tuple(shape)}: sizes (data, fsdp, tensor) or (data, fsdp, tensor, expert)")
-  shape = list(shape) + [1] * (4 - len(shape))
+  if len(shape) not in (3, 4, 5):
+    raise ValueError(f"mesh shape {tuple(shape)}: sizes {MESH_SHAPE}")
+  shape = list(shape) + [1] * (5 - len(shape))
   if shape.count(-1) > 1:
     raise ValueError(f"mesh shape {tuple(shape)}: at most one axis may be -1")
   if -1 in shape:
@@ -66,9 +67,9 @@ def make_mesh(shape: tuple[int, ...], devices=None) -> Mesh:
     shape[shape.index(-1)] = devices.size // rest
   if int(np.prod(shape)) != devices.size:
     raise ValueError(f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices; {devices.size} available")
-  data, fsdp, tensor, expert = shape
-  return jax.make_mesh((data, fsdp, expert, tensor), AXIS_NAMES, devices=devices.tolist(),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 4)
+  data, fsdp, tensor, expert, sequence = shape
+  return jax.make_mesh((data, fsdp, expert, sequence, tensor), AXIS_NAMES, devices=devices.tolist(),
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(AXIS_NAMES))
 
 
 def logical_to_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_RULES) -> P:

@@ -9,20 +9,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jalign.kernels.target import DATA_AXES
-from jalign.models.sharding import DEFAULT_RULES, make_mesh
+from jalign.models.sharding import DEFAULT_RULES, MESH_SHAPE, make_mesh
 
 
 def mesh_from_config(shape: tuple[int, ...], devices=None) -> Mesh:
-  """(data, fsdp, tensor[, expert]) sizes over the devices of all processes (or `devices`, e.g. a TPU compile target's); one
+  """(data, fsdp, tensor[, expert[, sequence]]) sizes over the devices of all processes (or `devices`, e.g. a TPU compile target's); one
   entry may be -1 for the remaining ones. Without -1 the mesh may be smaller than the machine: it takes the first
   devices."""
   devices = list(jax.devices() if devices is None else devices)
   fixed = int(np.prod([s for s in shape if s != -1]))
-  if (len(shape) not in (3, 4) or any(s == 0 or s < -1 for s in shape) or fixed > len(devices)
+  if (len(shape) not in (3, 4, 5) or any(s == 0 or s < -1 for s in shape) or fixed > len(devices)
       or (-1 in shape and len(devices) % fixed)):
-    raise ValueError(f"mesh.shape={tuple(shape)} does not fit the {len(devices)} available devices "
-                     "((data, fsdp, tensor) or (data, fsdp, tensor, expert): positive sizes whose product is at most "
-                     "the device count, or -1 once for the rest)")
+    raise ValueError(f"mesh.shape={tuple(shape)} does not fit the {len(devices)} available devices ({MESH_SHAPE}: "
+                     "positive sizes whose product is at most the device count, or -1 once for the rest)")
   return make_mesh(tuple(shape), devices if -1 in shape else devices[:fixed])
 
 
@@ -80,8 +79,9 @@ def fetching(fn, host_tree):
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-  shape: tuple[int, ...] = (1, -1, 1)        # (data, fsdp, tensor) or (data, fsdp, tensor, expert); -1 = the
-                                             # remaining devices; without -1, a mesh smaller than the machine uses
-                                             # the first devices. `expert` splits MoE models' experts (and, like
-                                             # fsdp, the examples and the other weights); 1 when not given
+  shape: tuple[int, ...] = (1, -1, 1)        # (data, fsdp, tensor[, expert[, sequence]]); -1 = the remaining
+                                             # devices; without -1, a mesh smaller than the machine uses the first
+                                             # devices. `expert` splits MoE models' experts (and, like fsdp, the
+                                             # examples and the other weights); `sequence` splits each example's
+                                             # tokens (activations, ring attention); 1 when not given
   rules: tuple = DEFAULT_RULES               # logical axis -> mesh axis / tuple of axes / None

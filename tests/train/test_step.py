@@ -33,8 +33,10 @@ def _one_step(mesh_shape, micro_batches=1, batch_size=8):
   return state, jax.device_get(metrics)
 
 
-# mesh shape -> distinct shards of the q projection: DP only, FSDP only, FSDP x TP, DP x FSDP, all three.
-LAYOUTS = {(8, 1, 1): 1, (1, 8, 1): 8, (1, 4, 2): 8, (2, 4, 1): 4, (2, 2, 2): 4}
+# mesh shape -> distinct shards of the q projection: DP only, FSDP only, FSDP x TP, DP x FSDP, all three; context
+# parallelism (tokens over `sequence`, ring attention) beside DP, and beside FSDP x TP.
+LAYOUTS = {(8, 1, 1): 1, (1, 8, 1): 8, (1, 4, 2): 8, (2, 4, 1): 4, (2, 2, 2): 4, (2, 1, 1, 1, 4): 1,
+           (1, 2, 2, 1, 2): 4}
 
 
 @pytest.mark.parametrize("mesh_shape", sorted(LAYOUTS))
