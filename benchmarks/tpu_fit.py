@@ -41,12 +41,14 @@ def _config(task: str, chips: int, tokens: int, mesh: tuple[int, ...], lora_rank
   return validate(c, chips)
 
 
-# (name, task, arch, accelerator type, tokens, mesh (data, fsdp, tensor[, expert])[, LoRA rank])
+# (name, task, arch, accelerator type, tokens, mesh (data, fsdp, tensor[, expert[, sequence]])[, LoRA rank])
 CASES = [(f"{task} 8b {acc} {t // 1024}k", task, "llama3-8b", acc, t, (1, chips, 1))
          for acc, chips in (("v5p-8", 4), ("v6e-8", 8)) for task in ("sft", "dpo", "grpo")
          for t in (4096, 8192, 32768)]
 # One 32k-token pair per chip does not fit a v6e's 32 GiB: a pair over two chips (tensor parallel) does.
 CASES += [("dpo 8b v6e-8 32k tp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 2))]
+# Or over two chips of a `sequence` axis (context parallelism: ring attention, activations split along the tokens).
+CASES += [("dpo 8b v6e-8 32k cp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 1, 1, 2))]
 CASES += [(f"grpo 70b v5p-64 {t // 1024}k", "grpo", "llama3-70b", "v5p-64", t, (1, 8, 4)) for t in (4096, 8192)]
 # MoE (Qwen3-MoE shapes, 128 experts, top 8) at 8k tokens: experts gathered like dense weights (FSDP) against split
 # over an `expert` axis (expert parallelism, the fourth mesh size).

@@ -141,7 +141,7 @@ def _local_forward(q, k, v, qs, ks, qp, kp, window, sinks_N, static):
     return carry, arriving
 
   carry = flash.start(q, kv_heads, static.bq, sinks)
-  carry, last = jax.lax.fori_loop(0, static.shards - 1, step, (carry, (k, v, ks, kp)))
+  carry, last = flash.loop(static.shards - 1, step, (carry, (k, v, ks, kp)))
   carry = run(q, last[0], last[1], qs, last[2], qp, last[3], window, carry=carry)
   return flash.finish(carry, q.dtype)
 

@@ -79,6 +79,14 @@ def _merge(a):
   return jnp.moveaxis(a, 0, 1).reshape(b, n * block, *a.shape[3:])
 
 
+def loop(n: int, body, init):
+  """`body(j, carry)` for j < n, as a while loop. Not a `fori_loop` (a scan): in a forward pass that a custom_vjp
+  differentiates itself, inside the layers' `lax.scan`, JAX's partial evaluation still linearised such a scan and
+  kept each step's block scores and mask for it (all [T/bq, S/bk] blocks of them, 128 GiB at 32k tokens on one
+  TPU chip); a while loop it leaves alone."""
+  return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))[1]
+
+
 def start(q_BxTxNxH, k_heads: int, bq: int, sinks_KxG=None):
   """The running softmax of every query block before any key: (max, sum) [T/bq, B, K, G, bq] and the fp32 output
   [T/bq, B, K, G, bq, H]. A sink is a first key with no value: the running max at it, its exp(0) = 1 in the sum."""
@@ -138,7 +146,7 @@ def accumulate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, s
 
     if one_shot:  # the carry of this block only, never all blocks' fp32 outputs at once
       c = jax.tree.map(lambda a: a[0], start(qb.reshape(B, bq, N, H), K, bq, sinks_KxG))
-    c = jax.lax.fori_loop(0, k_blocks.shape[0], step, c)
+    c = loop(k_blocks.shape[0], step, c)
     return _finish_block(c, dtype or q.dtype) if one_shot else c
 
   nq = T // bq

@@ -39,10 +39,10 @@ CASES = {  # (attention keywords, sinks, zig-zag layout); 37 tokens do not split
 }
 
 
-def check(mesh_shape, axes, form, case, blocks=(4, 8)):
+def check(mesh_shape, axes, form, case, blocks=(4, 8), rows=4):
   kw, with_sinks, zig = CASES[case]
   t = 40 if zig else 37
-  q, k, v, seg, pos = batch(t)
+  q, k, v, seg, pos = (a[:rows] for a in batch(t))
   sinks = np.random.default_rng(2).normal(size=N).astype(np.float32) * 2 if with_sinks else None
   valid = (seg != 0)[:, :, None, None]
   w = np.random.default_rng(1).normal(size=q.shape).astype(np.float32) * valid
@@ -80,6 +80,12 @@ def test_sequence_sharded_attention_equals_the_reference(form, case):
 
 def test_heads_split_over_tensor_beside_the_sequence():
   check((2, 2, 2), ("data", "sequence", "tensor"), "ring", "sinks_window_zigzag")
+
+
+@pytest.mark.parametrize("form", ["ring", "gather"])
+def test_rows_the_data_axis_does_not_divide_stay_whole(form):
+  """Three rows over two data shards: every data shard holds all rows (and must not count their gradients twice)."""
+  check((2, 4), ("data", "sequence"), form, "sinks_window_zigzag", rows=3)
 
 
 def test_auto_gathers_only_what_the_local_queries_outweigh():
