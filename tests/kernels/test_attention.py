@@ -234,3 +234,23 @@ def test_long_context_forms_compiled_for_a_tpu_stay_small():
     assert temp <= 0.01 * dense_32k, (impl, temp, dense_32k)
   assert "tpu_custom_call" in _tpu_compile("auto", 1024).as_text()
   assert "tpu_custom_call" not in _tpu_compile("chunked", 1024).as_text()
+
+
+def test_chunked_keeps_no_block_scores_inside_a_scan_of_layers():
+  """The gradient of `chunked` inside a `lax.scan` (a scanned decoder's layers) needs about the memory of one
+  layer's: no [T/bq, S/bk] stack of block scores kept for the backward (its custom backward recomputes them).
+  Compiled for the CPU, T = 2048 in blocks of 256: such a stack would be 64 blocks x 1 MiB of fp32 scores."""
+  t = 2048
+  q = jnp.ones((1, t, 4, 16), jnp.float32)
+  kv = jnp.ones((1, t, 2, 16), jnp.float32)
+  attend = lambda q: attention(q, kv, kv, impl="chunked", blocks=(256, 256))  # noqa: E731
+
+  def temp(layers):
+    def loss(q):
+      out, _ = jax.lax.scan(lambda x, _: (attend(x), None), q, None, length=layers)
+      return out.sum()
+    return jax.jit(jax.grad(loss)).lower(q).compile().memory_analysis().temp_size_in_bytes
+
+  one, four = temp(1), temp(4)
+  assert four < one + 4 * q.nbytes * 3, (one, four)  # each more layer keeps its input, output and softmax stats
+  assert four < 16 * 2**20, four
