@@ -41,7 +41,8 @@ def test_every_shipped_config_validates(name, arg):
     (dict(mesh__shape=(4, 4, 1)), r"config.mesh.shape=\(4, 4, 1\) needs 16 devices; 8 are available"),
     (dict(mesh__shape=(3, -1, 1)), r"config.mesh.shape=\(3, -1, 1\) needs 3 devices x k; 8 are available"),
     (dict(mesh__shape=(1, 0, 1)), r"config.mesh.shape=\(1, 0, 1\): .*sizes must be positive"),
-    (dict(mesh__shape=(1, 8)), r"config.mesh.shape=\(1, 8\): \(data, fsdp, tensor\) or \(data, fsdp, tensor, expert\)"),
+    (dict(mesh__shape=(1, 8)), r"config.mesh.shape=\(1, 8\): \(data, fsdp, tensor\), \(data, fsdp, tensor, expert\) or "
+                               r"\(data, fsdp, tensor, expert, sequence\)"),
     (dict(mesh__shape=(1, 1, 1, 3), train__batch_size=4),
      r"batch_size=4 is not divisible by data-parallel size \(data x fsdp x expert = 3\)"),
     (dict(data__max_length=100), r"config.data.max_length=100 exceeds config.train.seq_len=64"),
