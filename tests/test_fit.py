@@ -44,7 +44,8 @@ def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
   stdout = proc.stdout
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())
-  assert r["devices"] == 16 and r["mesh"] == {"data": 1, "fsdp": 16, "expert": 1, "tensor": 1}
+  assert r["devices"] == 16 and r["mesh"] == {"data": 1, "fsdp": 16, "expert": 1, "sequence": 1,
+                                               "tensor": 1}
   assert r["params_total"] == 8_030_261_248  # Meta-Llama-3-8B's published parameter count
   b = r["bytes_per_device"]
   assert b["params"] == pytest.approx(8_030_261_248 * 2 / 16, rel=0.01)  # bf16, sharded 16 ways

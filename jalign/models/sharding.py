@@ -19,13 +19,14 @@ from jalign.kernels.target import AXIS_NAMES, DATA_AXES
 MESH_SHAPE = "(data, fsdp, tensor), (data, fsdp, tensor, expert) or (data, fsdp, tensor, expert, sequence)"
 AXES = "axes"  # nnx.Param metadata key holding the parameter's logical axis names
 
-# Training layout: FSDP over `fsdp` (and `expert`) on the model dimension, Megatron-style TP over `tensor` on heads /
-# MLP / vocab, routed experts split over `expert`.
+# Training layout: FSDP over `fsdp` (and `expert`, and `sequence`: its devices hold different tokens of the same
+# examples, so like data-parallel ones they can share out the weights, as MaxText's context axis does) on the model
+# dimension, Megatron-style TP over `tensor` on heads / MLP / vocab, routed experts split over `expert`.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", DATA_AXES),
     ("vocab", "tensor"),
     # An expert's weights take `expert` for the experts dimension first, so on them `embed` gets `fsdp` alone.
-    ("embed", ("fsdp", "expert")),
+    ("embed", ("fsdp", "sequence", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -42,13 +43,13 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def without_fsdp(rules=DEFAULT_RULES):
-  """The sampling layout (tunix / Levanter style): the same rules with the 'fsdp' axis dropped (and 'expert' but
-  for the experts themselves), so weights are replicated across FSDP shards (still split over 'tensor', routed
+  """The sampling layout (tunix / Levanter style): the same rules with the 'fsdp' and 'sequence' axes dropped (and
+  'expert' but for the experts themselves), so weights are replicated across FSDP shards (still split over 'tensor', routed
   experts over 'expert') and a decode step all-gathers nothing."""
   out = []
   for name, target in rules:
     axes = (target,) if isinstance(target, str) else tuple(target or ())
-    kept = tuple(a for a in axes if a != "fsdp" and (a != "expert" or name == "experts"))
+    kept = tuple(a for a in axes if a not in ("fsdp", "sequence") and (a != "expert" or name == "experts"))
     out.append((name, kept[0] if len(kept) == 1 else (kept or None)))
   return tuple(out)
 

@@ -50,8 +50,9 @@ def test_sharding_rules_drop_axes_that_do_not_divide():
   mesh = models.make_mesh((1, 4, 2))
   assert models.logical_to_spec(("vocab", "embed"), (96, 32), mesh) == jax.sharding.PartitionSpec("tensor", "fsdp")
   assert models.logical_to_spec(("vocab", "embed"), (95, 30), mesh) == jax.sharding.PartitionSpec(None, None)
-  assert models.make_mesh((2, -1, 2)).shape == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
-  assert models.make_mesh((1, 2, 2, -1)).shape == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
+  assert models.make_mesh((2, -1, 2)).shape == {"data": 2, "fsdp": 2, "expert": 1, "sequence": 1,
+                                                 "tensor": 2}
+  assert models.make_mesh((1, 2, 2, -1)).shape == {"data": 1, "fsdp": 2, "expert": 2, "sequence": 1, "tensor": 2}
   # An expert axis: dense weights' model dimension over fsdp x expert; experts over expert, their model dim over fsdp.
   ep = models.make_mesh((1, 2, 1, 2), jax.devices()[:4])
   P = jax.sharding.PartitionSpec
@@ -62,6 +63,10 @@ def test_sharding_rules_drop_axes_that_do_not_divide():
   assert models.logical_to_spec(("vocab", "embed"), (96, 32), ep, sampling) == P(None, None)
   assert models.logical_to_spec(("layers", "experts", "embed", "expert_mlp"), (3, 6, 32, 24), ep, sampling) == \
       P(None, "expert", None, None)
+  # A sequence axis shares out the weights like fsdp in training, not for sampling.
+  cp = models.make_mesh((1, 2, 1, 1, 2), jax.devices()[:4])
+  assert models.logical_to_spec(("vocab", "embed"), (96, 32), cp) == P(None, ("fsdp", "sequence"))
+  assert models.logical_to_spec(("vocab", "embed"), (96, 32), cp, sampling) == P(None, None)
   with pytest.raises(ValueError, match="needs 16 devices"):
     models.make_mesh((4, 2, 2))
 

@@ -49,8 +49,8 @@ def test_rollout_mesh_samples_on_devices_set_apart(tmp_path):
   shape = ("--config.mesh.shape=(1,4,1)", "--config.train.steps=3")
   apart = run_faulty("grpo", tmp_path / "apart", *ASYNC, *shape, "--config.grpo.rollout_mesh=(1,1,1)")
   run_faulty("grpo", tmp_path / "shared", *ASYNC, *shape)
-  assert "sampling on a mesh of its own {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1} over devices 7; training on devices " \
-         "0,1,2,3" in apart.stdout
+  assert ("sampling on a mesh of its own {'data': 1, 'fsdp': 1, 'expert': 1, 'sequence': 1, 'tensor': 1} over devices 7; "
+          "training on devices 0,1,2,3") in apart.stdout
   a, b = _steps(tmp_path / "apart"), _steps(tmp_path / "shared")
   for step in (1, 2, 3):
     for key in ("critic/score/mean", "response_length/mean", "rollout/policy_lag"):
