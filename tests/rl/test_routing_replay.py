@@ -40,6 +40,17 @@ def moe_policy(tmp_path_factory):
   return str(out)
 
 
+@pytest.fixture(autouse=True)
+def _no_cache_writes():
+  """No entries written to the test run's persistent compilation cache from this module: in a full run the routed
+  GRPO update's executable has crashed the process (SIGSEGV in XLA:CPU's executable serialisation, in
+  `put_executable_and_time`; never when the test runs alone), twice in the same test. Reads stay on."""
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+  yield
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 def _steps(run_dir):
   return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "actor/pg_loss" in line]
 
