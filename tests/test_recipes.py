@@ -40,9 +40,12 @@ def _flags(overrides: dict) -> list[str]:
 
 
 RECIPES = ("gsm8k_sft", "gsm8k_grpo", "gsm8k_tools", "math_grpo", "hh_rm", "hh_dpo")
+# The default run keeps two real-model recipe runs (an RL one and the one read from a .gguf file); the others (and
+# the distillation recipe's four runs) take some 18 minutes of the suite's 2 cores and run with `-m long`.
+DEFAULT_RUN = ("gsm8k_grpo", "hh_dpo")
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", [n if n in DEFAULT_RUN else pytest.param(n, marks=pytest.mark.long) for n in RECIPES])
 def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path, name):  # noqa: F811
   """Each recipe as a user runs it (`python -m jalign.run`, one CPU device), a test each so the suite's workers
   share them (a real model's run holds 4-5 GB at its peak on a CPU host: two at once fit). hh_dpo starts from the
@@ -66,6 +69,7 @@ def test_recipe_smoke_runs_on_smollm2(smollm2_hf, tmp_path, name):  # noqa: F811
   assert os.path.exists(run_dir / "hf" / "config.json") and os.path.exists(run_dir / "hf" / "tokenizer.json"), name
 
 
+@pytest.mark.long
 def test_distill_recipe_on_smollm2_taught_by_the_sft_recipe(smollm2_hf, tmp_path):  # noqa: F811
   """gsm8k_distill in each mode at smoke size: SmolLM2 distilled from SmolLM2 after the GSM8K SFT recipe (its smoke
   size: the teacher shares the tokenizer and differs a little), on GSM8K as it comes; one test, one teacher."""
