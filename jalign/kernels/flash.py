@@ -114,7 +114,7 @@ def finish(carry, dtype):
 
 
 def accumulate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, scale, bq, bk, carry=None,
-               sinks_KxG=None, dtype=None):
+               sinks_KxG=None):
   """Each query block's running softmax continued over the keys k, v ([B, S, K, H], S a multiple of bk): the new
   carry; or, with `carry=None`, started here (at the sinks, if any) and finished: (output, logsumexp)."""
   B, T, N, H = q.shape
@@ -147,7 +147,7 @@ def accumulate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, window, causal, softcap, s
     if one_shot:  # the carry of this block only, never all blocks' fp32 outputs at once
       c = jax.tree.map(lambda a: a[0], start(qb.reshape(B, bq, N, H), K, bq, sinks_KxG))
     c = loop(k_blocks.shape[0], step, c)
-    return _finish_block(c, dtype or q.dtype) if one_shot else c
+    return _finish_block(c, q.dtype) if one_shot else c
 
   nq = T // bq
   blocks = (jnp.arange(nq), _split(q, bq), _split(q_seg, bq), _split(q_pos, bq))
