@@ -137,7 +137,7 @@ def report(cfg, arch: str = "", target=None) -> dict:
     compiled = jitted.lower(state, batch, None if frozen is None else with_sharding(frozen, frozen_sh)).compile()
   mem = compiled.memory_analysis()
   out = {
-      "devices": int(mesh.size), "mesh": dict(mesh.shape), "task": cfg.task,
+      "devices": int(mesh.size), "mesh": dict(mesh.shape), "task": cfg.task, "micro_batches": task.micro_batches(),
       "batch": {k: list(v.shape) for k, v in columns.items()},
       "params_total": int(sum(x.size for x in jax.tree.leaves(params)) +
                           sum(x.size for x in jax.tree.leaves(frozen or {}))),
@@ -211,7 +211,51 @@ def format_report(r: dict, hbm_gib: float = 0.0) -> str:
   if hbm_gib:
     fits = b.get("peak", b["peak_estimate"]) <= hbm_gib * 2**30
     lines.append(f"  {'fits' if fits else 'DOES NOT FIT'} in {hbm_gib:g} GiB per device")
+    if not fits:
+      lines.append("  " + advice(r, hbm_gib * 2**30)["text"])
   return "\n".join(lines)
+
+
+def advice(r: dict, hbm_bytes: float) -> dict:
+  """Which knob or mesh axis to grow when the step in report `r` does not fit in `hbm_bytes` per device:
+  {"text", "overrides" (config keys to set), "estimate" (bytes)}. The estimate splits the peak in two: the train
+  state (parameters and optimizer state), divided by the axes that share out the weights (fsdp, sequence), and the
+  rest (activations, checkpoints, temporaries), proportional to the tokens a device holds in one pass: rows /
+  (data x fsdp x expert x micro-batches), times tokens / sequence. Options that keep the chips come first: more
+  micro-batches (fewer rows per pass), a data factor moved to fsdp; then the fewest extra chips, on sequence (both
+  parts shrink) or on fsdp (the rest shrinks only while a device still has rows to give up)."""
+  b, mesh = r["bytes_per_device"], r["mesh"]
+  peak = b.get("peak", b["peak_estimate"])
+  state = b["params"] + b["optimizer_state"]
+  rest = max(peak - state, 0)
+  micro = r.get("micro_batches", 1)
+  rows = r["batch"]["tokens"][0] // (micro * mesh["data"] * mesh["fsdp"] * mesh["expert"])
+  tokens = r["batch"]["tokens"][-1] // mesh["sequence"]
+  size = lambda x: f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.2f} MiB"
+  passes = "grpo.mini_batches" if r["task"] in ("grpo", "ppo") else "train.micro_batches"  # RL: each an update
+  shape = lambda **grow: {"mesh.shape": tuple(mesh[a] * grow.get(a, 1) // grow.get("_" + a, 1)
+                                              for a in ("data", "fsdp", "tensor", "expert", "sequence"))}
+  same_chips, more_chips = [], []
+  for k in (2, 4, 8, 16, 32, 64):
+    options = [  # (list, applies, estimate, what, overrides)
+        (same_chips, rows // k >= 1, state + rest / k, f"{passes} x{k} (rows per pass {rows} -> {rows // k})",
+         {passes: micro * k}),
+        (same_chips, mesh["data"] // k >= 1, state / k + rest, f"move {k}x from data to fsdp",
+         shape(fsdp=k, _data=k)),
+        (more_chips, tokens // k >= 128, (state + rest) / k,
+         f"sequence {mesh['sequence']} -> {mesh['sequence'] * k} ({k}x the chips, {tokens // k} tokens per chip)",
+         shape(sequence=k)),
+        (more_chips, True, state / k + (rest / k if rows // k >= 1 else rest),
+         f"fsdp {mesh['fsdp']} -> {mesh['fsdp'] * k} ({k}x the chips)", shape(fsdp=k))]
+    for where, applies, estimate, what, overrides in options:
+      if applies and estimate <= hbm_bytes:
+        where.append({"text": f"to fit: {what}, estimated peak {size(estimate)}", "overrides": overrides,
+                      "estimate": estimate})
+  for found in (same_chips, more_chips):
+    if found:
+      return found[0]
+  return {"text": f"to fit: no one axis up to 64x does (train state {size(state)}, the rest {size(rest)}); shrink what is trained or kept: LoRA, model.remat=full, a shorter "
+                  "train.seq_len", "overrides": {}, "estimate": None}
 
 
 def main(argv=None) -> int:

@@ -33,6 +33,24 @@ def test_lora_optimizer_state_is_a_small_fraction():
   assert adapters["params_total"] > full["params_total"]  # the base is all still there, frozen
 
 
+@pytest.mark.parametrize("shape,overrides,budget,grows", [
+    ((2, 1, 1, 1, 1), dict(train__seq_len=2048, data__max_length=2048, train__batch_size=2), 0.8, "sequence 1 -> 2"),
+    ((1, 1, 1, 1, 8), dict(train__seq_len=1024, data__max_length=1024), 0.3, "train.micro_batches x4"),
+], ids=["one-row-per-device-grows-sequence", "rows-to-spare-take-micro-batches"])
+def test_advice_names_a_change_whose_compiled_step_fits(shape, overrides, budget, grows):
+  """A step over budget: the advised change, compiled, peaks under the budget and near the advice's estimate (XLA's
+  buffer assignment against the advice's split of the peak into train state and per-token rest)."""
+  r = fit.report(run_config("sft", mesh__shape=shape, **overrides))
+  hbm = budget * r["bytes_per_device"]["peak_estimate"]
+  a = fit.advice(r, hbm)
+  assert grows in a["text"], a
+  assert "DOES NOT FIT" in fit.format_report(r, hbm / 2**30) and a["text"] in fit.format_report(r, hbm / 2**30)
+  changed = fit.report(run_config("sft", **{"mesh__shape": shape, **overrides,
+                                            **{k.replace(".", "__"): v for k, v in a["overrides"].items()}}))
+  peak = changed["bytes_per_device"]["peak_estimate"]
+  assert peak <= hbm and peak == pytest.approx(a["estimate"], rel=0.3), (peak, a)
+
+
 def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
   out = tmp_path / "fit.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
