@@ -25,6 +25,7 @@ from flax import nnx
 from jalign.kernels.decode import PAGE, decode_impl
 from jalign.models.kv_cache import KVCache
 from jalign.sampling.filters import row_keys
+from jalign.sampling.prefix import PrefixCache
 from jalign.sampling.settings import GenerateOutput, Settings, prompt_bucket
 
 _MIN_KV = 64  # the smallest attention bound compiled
@@ -53,19 +54,28 @@ class Slots:
 
 
 def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, *, slots: int, chunk: int,
-        bucket_min: int, stats: dict | None = None) -> GenerateOutput:
+        bucket_min: int, stats: dict | None = None, prefix: PrefixCache | None = None, weights=()) -> GenerateOutput:
   """Requests n = b * num_samples + i (prompt b's i-th sample), served a group at a time in prompt order.
   `stats`, when given, gets `decode_steps` and the cache positions a step reads on average: `read_bound` (the
-  dense form's, every slot to the common bound) and `read_lengths` (a per-slot-length kernel's)."""
+  dense form's, every slot to the common bound) and `read_lengths` (a per-slot-length kernel's); and the prompt
+  tokens of all requests (`prompt_tokens`) against those prefilled (`prefill_tokens`): a group's prompt is prefilled
+  once. `prefix` (a `PrefixCache`, not with recorded routes): the slots are kept for the next call, a prompt that
+  extends a held sequence prefills only the rest, and identical prompts of a call are prefilled once; `weights`: the
+  model's own arrays (before any re-layout for sampling), which the held keys and values belong to."""
   g = s.num_samples
-  lengths_B = prompt_mask.sum(1)
-  buckets_B = np.asarray([prompt_bucket(int(n), bucket_min) for n in lengths_B])
+  reals = [np.asarray(ids[m == 1], np.int32) for ids, m in zip(prompt_ids, prompt_mask)]
+  widest = prompt_bucket(max(map(len, reals)), bucket_min)
   lm = nnx.merge(graphdef, params)
   # Where decode attention is a kernel it reads each slot up to its own length, in pages: no common bound needed.
   ragged = decode_impl(lm.cfg.decode_attention, None, lm.cfg.head_dim, PAGE, lm.cfg.attn_sinks) != "xla"
-  max_len = int(buckets_B.max()) + s.max_new
-  max_len = -(-max_len // PAGE) * PAGE if ragged else max_len
-  state = _init(lm.cfg, slots, max_len, int(buckets_B.max()), s)
+  fit = lambda n: -(-n // PAGE) * PAGE if ragged else n  # noqa: E731
+  if prefix is not None and s.routes:
+    raise ValueError("prefix caching and record_routes: a held prefix's experts are not kept; use one of them")
+  keep = prefix is not None
+  prefix = prefix or PrefixCache()
+  init = lambda n, length: KVCache.init(lm.cfg, n, length, s.cache_dtype).per_row()  # noqa: E731
+  state = _init(lm.cfg, prefix.start(weights, init, slots, fit(widest + s.max_new)), widest, s)
+  slots, max_len = state.cache.segment_BxS.shape
   prefill, decode = _prefill_program(graphdef, s), _decode_program(graphdef, s)
 
   n = len(prompt_ids) * g
@@ -77,27 +87,20 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   if s.routes:  # [N, P + max_new, L, k], the prompt's columns as given
     out_routes = np.full((n, p_in + s.max_new) + state.routes_SxRxLxK.shape[2:], -1, np.int32)
   queue = list(range(len(prompt_ids)))  # prompts not yet admitted
-  free = list(range(slots))
+  free = set(range(slots))
+  # prompt -> the held slot with its longest prefix; held slot -> the queued prompts that want it (its references)
+  wants = {b: prefix.match(reals[b], free)[0] for b in queue} if keep else {}
+  refs: dict[int, int] = {}
+  for slot in wants.values():
+    refs[slot] = refs.get(slot, 0) + 1
   serving: dict[int, int] = {}  # slot -> request
   while queue or serving:
     admit, queue = queue[:len(free) // g], queue[len(free) // g:]
-    if admit:  # one prefill call: the admitted prompts at their longest bucket, a power-of-two batch of them
-      bucket = int(buckets_B[admit].max())
-      m = 1 << (len(admit) - 1).bit_length()
-      ids = np.zeros((m, bucket), np.int32)
-      mask = np.zeros((m, bucket), np.int32)
-      slot_M = np.full(m * g, slots, np.int32)  # out of range: the padding rows' writes are dropped
-      request_M = np.zeros(m * g, np.int32)
-      for j, b in enumerate(admit):
-        real = prompt_ids[b][prompt_mask[b] == 1]
-        ids[j, bucket - len(real):], mask[j, bucket - len(real):] = real, 1
-        for i in range(g):
-          slot_M[j * g + i] = free.pop(0)
-          request_M[j * g + i] = b * g + i
-          serving[int(slot_M[j * g + i])] = b * g + i
-      ids[len(admit):], mask[len(admit):] = ids[0], mask[0]  # padding rows: a copy of a real prompt
-      state = prefill(params, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(slot_M),
-                      jnp.asarray(request_M), jnp.asarray(budgets_N[request_M]), rng)
+    if admit:
+      for b in admit if keep else ():
+        refs[wants[b]] -= 1
+      state, max_len = _admit(prefill, params, state, prefix, keep, admit, reals, free, refs, serving, budgets_N,
+                              rng, s, bucket_min, fit, ragged)
     running = np.asarray(state.running_S)
     if running.any():
       longest = int(np.asarray(state.cache.index)[running].max()) + chunk
@@ -113,54 +116,105 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
                                                      state.step_S[idx], state.stopped_S[idx]))
       out_tokens[rows], out_logp[rows] = tokens, logp
       out_len[rows], out_stop[rows] = steps, stopped
+      for slot, request, t, k in zip(finished, rows, tokens, steps) if keep else ():
+        # the slot holds the prompt and every token but the last (sampled, never fed back)
+        prefix.held[slot] = np.concatenate([reals[request // g], t[:k - 1]]).astype(np.int32)
       if out_routes is not None:
         prompt, response = jax.device_get((state.prompt_routes_SxPxLxK[idx], state.routes_SxRxLxK[idx]))
         width = min(p_in, prompt.shape[1])
         out_routes[rows, p_in - width:p_in], out_routes[rows, p_in:] = prompt[:, prompt.shape[1] - width:], response
-      free.extend(finished)
+      free.update(finished)
+  prefix.cache = state.cache
   if stats is not None:
     steps, bound, lengths = np.asarray(state.reads).tolist()
-    stats.update(decode_steps=int(steps), read_bound=bound / max(steps, 1), read_lengths=lengths / max(steps, 1))
+    stats.update(decode_steps=int(steps), read_bound=bound / max(steps, 1), read_lengths=lengths / max(steps, 1),
+                 prompt_tokens=prefix.prompt_tokens, prefill_tokens=prefix.prefill_tokens)
   return GenerateOutput(jnp.asarray(out_tokens), jnp.asarray(out_logp), jnp.asarray(out_len), jnp.asarray(out_stop),
                         None if out_routes is None else jnp.asarray(out_routes))
 
 
-def _init(cfg, slots: int, max_len: int, max_prompt: int, s: Settings) -> Slots:
+def _admit(prefill, params, state: Slots, prefix: PrefixCache, keep: bool, admit, reals, free: set, refs: dict,
+           serving: dict, budgets_N, rng, s: Settings, bucket_min: int, fit, ragged: bool):
+  """One prefill call for the admitted prompts' requests (a group each): the rows it runs (the part of each prompt
+  past its held prefix; identical prompts once when `keep`), the slots its requests take. Returns the state and the
+  slots' length (grown when a row's prefix and bucket need more)."""
+  g = s.num_samples
+  rows, row_of, requests = [], {}, []  # rows: (source slot, prefix length, prompt); requests: (row, request)
+  for b in admit:
+    real = reals[b]
+    if keep and real.tobytes() in row_of:
+      row = row_of[real.tobytes()]
+    else:
+      src, c = prefix.match(real, free) if keep else (-1, 0)
+      row = row_of[real.tobytes()] = len(rows)
+      rows.append((src, min(c, len(real) - 1), real))  # at least one token to prefill: its logits start the reply
+    requests += [(row, b * g + i) for i in range(g)]
+  t = prompt_bucket(max(len(real) - c for _, c, real in rows), bucket_min)
+  need = max(c for _, c, _ in rows) + t
+  if need > state.cache.segment_BxS.shape[1]:  # a long held prefix and the bucket past it
+    prefix.cache = state.cache
+    prefix.grow(0, fit(need))
+    state = dataclasses.replace(state, cache=prefix.cache)
+  max_len = state.cache.segment_BxS.shape[1]
+  m, n = 1 << (len(rows) - 1).bit_length(), 1 << (len(requests) - 1).bit_length()
+  suffix, c_M, n_M, src_M = (np.zeros((m, t), np.int32), np.zeros(m, np.int32), np.ones(m, np.int32),
+                             np.zeros(m, np.int32))
+  for j, (src, c, real) in enumerate(rows):
+    suffix[j, :len(real) - c], c_M[j], n_M[j], src_M[j] = real[c:], c, len(real) - c, max(src, 0)
+  slot_N = np.full(n, len(prefix.held), np.int32)  # out of range: the padding requests' writes are dropped
+  row_N, request_N = np.zeros(n, np.int32), np.zeros(n, np.int32)
+  taken = set()
+  for j, (row, request) in enumerate(requests):
+    first = rows[row][0] if rows[row][0] not in taken else -1
+    slot = prefix.pick(free - taken, refs, 1, first)[0]
+    taken.add(slot)
+    slot_N[j], row_N[j], request_N[j] = slot, row, request
+    serving[slot] = request
+    prefix.held[slot], prefix.used[slot] = None, prefix.calls
+  free -= taken
+  prefix.prompt_tokens += sum(len(reals[r // g]) for _, r in requests)
+  prefix.prefill_tokens += int(n_M[:len(rows)].sum())
+  kv_len = max_len if ragged else min(max_len, prompt_bucket(need, _MIN_KV))
+  state = prefill(params, state, jnp.asarray(suffix), jnp.asarray(n_M), jnp.asarray(c_M), jnp.asarray(src_M),
+                  jnp.asarray(slot_N), jnp.asarray(row_N), jnp.asarray(request_N), jnp.asarray(budgets_N[request_N]),
+                  rng, kv_len=kv_len)
+  return state, max_len
+
+
+def _init(cfg, cache: KVCache, max_prompt: int, s: Settings) -> Slots:
+  slots = cache.segment_BxS.shape[0]
   zeros = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)  # noqa: E731
   routes = lambda width: jnp.full((slots, width, len(cfg.moe_layers), cfg.experts_per_token), -1,  # noqa: E731
                                   jnp.int32) if s.routes else None
-  return Slots(KVCache.init(cfg, slots, max_len, s.cache_dtype).per_row(), zeros(), zeros(), zeros(), zeros(),
-               zeros(), zeros(bool), zeros(bool), jnp.full((slots, s.max_new), s.pad_id, jnp.int32),
-               jnp.zeros((slots, s.max_new), jnp.float32), jnp.zeros((3,), jnp.float32), routes(max_prompt),
-               routes(s.max_new))
+  return Slots(cache, zeros(), zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool),
+               jnp.full((slots, s.max_new), s.pad_id, jnp.int32), jnp.zeros((slots, s.max_new), jnp.float32),
+               jnp.zeros((3,), jnp.float32), routes(max_prompt), routes(s.max_new))
 
 
 @functools.lru_cache(maxsize=64)
 def _prefill_program(graphdef, s: Settings):
   sample = s.sampler()
 
-  @functools.partial(jax.jit, donate_argnums=(1,))
-  def prefill(params, state: Slots, ids_MxP, mask_MxP, slot_N, request_N, budget_N, rng) -> Slots:
-    """Prompts [M, P] (one bucket) into slots `slot_N` (N = M * num_samples, a group's consecutive): their keys and
-    values at cache positions 0..P-1, the rest of each slot's segment row cleared; the first token sampled."""
+  @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kv_len",))
+  def prefill(params, state: Slots, suffix_MxT, n_M, c_M, src_M, slot_N, row_N, request_N, budget_N, rng, *,
+              kv_len: int) -> Slots:
+    """Rows [M, T] (right-padded: n_M tokens each) after the c_M positions slot src_M holds, over the first
+    `kv_len` positions; request j takes row row_N[j] into slot slot_N[j] (its prefix and the row's keys and values,
+    the rest of its segment row cleared) and samples its first token."""
     lm = nnx.merge(graphdef, params)
-    p = ids_MxP.shape[1]
-    cache = KVCache.init(lm.cfg, ids_MxP.shape[0], p, s.cache_dtype)
-    hidden, cache, routing = lm.forward_routed(ids_MxP, mask_MxP, cache=cache)
-    # Packed: each prompt's keys moved to slots 0..len-1 (its left padding rotated past the end), so decoding reads
-    # a slot by its length alone.
-    len_M = jnp.sum(mask_MxP, axis=1).astype(jnp.int32)
-    from_MxP = (jnp.arange(p, dtype=jnp.int32)[None] + (p - len_M)[:, None]) % p
-    pack = lambda a: jnp.repeat(jnp.take_along_axis(a, from_MxP[:, None, :, None], axis=2),  # noqa: E731
-                                s.num_samples, axis=0)
-    put = lambda buffer, rows: buffer.at[slot_N, :, :p].set(pack(rows), mode="drop")  # noqa: E731
     old = state.cache
-    len_N = jnp.repeat(len_M, s.num_samples)
+    view = KVCache(tuple(k[src_M, :, :kv_len] for k in old.k), tuple(v[src_M, :, :kv_len] for v in old.v),
+                   (jnp.arange(kv_len)[None] < c_M[:, None]).astype(jnp.int32), c_M)
+    t = jnp.arange(suffix_MxT.shape[1], dtype=jnp.int32)[None]
+    hidden, cache, routing = lm.forward_routed(suffix_MxT, segment_ids=(t < n_M[:, None]).astype(jnp.int32),
+                                               positions=c_M[:, None] + t, cache=view)
+    len_N = (c_M + n_M)[row_N]
+    put = lambda whole, rows: whole.at[slot_N, :, :kv_len].set(rows[row_N], mode="drop")  # noqa: E731
     segment = (jnp.arange(old.segment_BxS.shape[1])[None] < len_N[:, None]).astype(jnp.int32)
     new_cache = KVCache(tuple(map(put, old.k, cache.k)), tuple(map(put, old.v, cache.v)),
                         old.segment_BxS.at[slot_N].set(segment, mode="drop"),
                         old.index.at[slot_N].set(len_N, mode="drop"))
-    hidden = jnp.repeat(hidden[:, -1], s.num_samples, axis=0)
+    hidden = hidden[jnp.arange(hidden.shape[0]), n_M - 1][row_N]
     token, logp = sample(lm.logits(hidden), row_keys(rng, request_N, jnp.zeros_like(request_N)))
     stopped = s.stops(token)
     set_ = lambda a, v: a.at[slot_N].set(v, mode="drop")  # noqa: E731
@@ -169,20 +223,21 @@ def _prefill_program(graphdef, s: Settings):
                  set_(state.step_S, jnp.ones_like(request_N)), set_(state.budget_S, budget_N),
                  set_(state.stopped_S, stopped), set_(state.running_S, ~stopped & (budget_N > 1)),
                  set_(state.tokens_SxR, first(s.pad_id, token)), set_(state.logprobs_SxR, first(0.0, logp)),
-                 state.reads, *_prompt_routes(state, routing, mask_MxP, slot_N, s.num_samples))
+                 state.reads, *_prompt_routes(state, routing, n_M, slot_N, row_N))
 
   return prefill
 
 
-def _prompt_routes(state: Slots, routing, mask_MxP, slot_N, g: int):
-  """(prompt routes, response routes) of `state` with slots `slot_N` holding the prefilled prompts' experts
-  (right-aligned, -1 on padding) and no response's yet."""
+def _prompt_routes(state: Slots, routing, n_M, slot_N, row_N):
+  """(prompt routes, response routes) of `state` with slots `slot_N` holding their rows' experts (whole prompts:
+  right-aligned, -1 before) and no response's yet."""
   if state.routes_SxRxLxK is None:
     return None, None
-  ids = jnp.where(mask_MxP[None, :, :, None] > 0, routing.ids_BxTxK, -1)  # [L, M, p, k]
-  ids = jnp.repeat(jnp.moveaxis(ids, 0, 2), g, axis=0)  # [N, p, L, k]
-  width, p = state.prompt_routes_SxPxLxK.shape[1], ids.shape[1]
-  rows = jnp.full((ids.shape[0], width) + ids.shape[2:], -1, jnp.int32).at[:, width - p:].set(ids)
+  width = state.prompt_routes_SxPxLxK.shape[1]
+  col_MxP = jnp.arange(width, dtype=jnp.int32)[None] - (width - n_M)[:, None]  # the row's token at each column
+  ids = jnp.moveaxis(routing.ids_BxTxK, 0, 2)  # [M, T, L, k]
+  rows = jnp.take_along_axis(ids, jnp.clip(col_MxP, 0, ids.shape[1] - 1)[:, :, None, None], axis=1)
+  rows = jnp.where((col_MxP >= 0)[:, :, None, None], rows, -1)[row_N]
   return (state.prompt_routes_SxPxLxK.at[slot_N].set(rows, mode="drop"),
           state.routes_SxRxLxK.at[slot_N].set(-1, mode="drop"))
 
@@ -199,7 +254,7 @@ def _decode_program(graphdef, s: Settings):
     layers = lm.layer_list()
     full = state.cache
     view = KVCache(tuple(k[:, :, :kv_len] for k in full.k), tuple(v[:, :, :kv_len] for v in full.v),
-                   full.segment_BxS[:, :kv_len], full.index)
+                   full.segment_BxS[:, :kv_len], jnp.where(state.running_S, full.index, 0))
     running_at_start = state.running_S
 
     def cond(carry):
@@ -230,9 +285,11 @@ def _decode_program(graphdef, s: Settings):
                           st.prompt_routes_SxPxLxK, routes)
 
     _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), dataclasses.replace(state, cache=view)))
-    put = lambda whole, part: whole.at[:, :, :kv_len].set(part)  # noqa: E731
+    # An idle slot rewrites position 0 each step, which no running one writes (it writes past its prompt): put
+    # back as it was, so what a slot holds for a later call (`PrefixCache`) survives the calls that leave it idle.
+    put = lambda whole, part: whole.at[:, :, 1:kv_len].set(part[:, :, 1:])  # noqa: E731
     cache = KVCache(tuple(map(put, full.k, st.cache.k)), tuple(map(put, full.v, st.cache.v)),
-                    full.segment_BxS.at[:, :kv_len].set(st.cache.segment_BxS), st.cache.index)
+                    full.segment_BxS.at[:, 1:kv_len].set(st.cache.segment_BxS[:, 1:]), st.cache.index)
     return dataclasses.replace(st, cache=cache)
 
   return decode

@@ -23,7 +23,7 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, stop_token_ids=(), num_samples: int = 1,
              pad_id: int = 0, cache_dtype=None, bucket_min: int = 16, mesh=None, rules=None, budgets=None,
              slots: int | None = None, chunk: int = 32, stats: dict | None = None,
-             record_routes: bool = False) -> GenerateOutput:
+             record_routes: bool = False, prefix_cache: engine.PrefixCache | None = None) -> GenerateOutput:
   """Samples continuations of left-padded prompts [B, P] (mask 1 = token). Each prompt is repeated `num_samples`
   times (consecutive rows: a GRPO group), so outputs have N = B * num_samples rows; row n is request n, and its
   t-th token is drawn with the key (request n, step t) whatever batch or slot it runs in.
@@ -34,7 +34,10 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   `budgets` [N]: each request's own token budget (<= max_new_tokens), as a per-request max_tokens.
   With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
   (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout.
-  `record_routes` (an MoE model): the output's `routes`, the experts every token went to (routing replay)."""
+  `record_routes` (an MoE model): the output's `routes`, the experts every token went to (routing replay).
+  `prefix_cache` (continuous batching): a `sampling.PrefixCache` kept across calls with the same weights, so a
+  prompt that extends an earlier call's prompt and response (a multi-turn episode's next turn) prefills only its new
+  tokens, and identical prompts of a call are prefilled once (`sampling.prefix`)."""
   prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
   if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
     raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]")
@@ -58,7 +61,10 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
     slots = min(slots, n) if slots else n
   if slots is not None and slots < num_samples:
     raise ValueError(f"slots={slots} cannot hold a group of num_samples={num_samples}")
+  if prefix_cache is not None and slots is None:
+    raise ValueError("prefix_cache needs continuous batching: pass slots (0 = one per request)")
   graphdef, params = nnx.split(lm)
+  weights = params
   if mesh is not None and rules is not None:
     params = jax.device_put(params, state_shardings(lm, mesh, rules))
   settings = Settings(max_new_tokens, float(temperature), int(top_k), float(top_p), float(min_p),
@@ -66,7 +72,7 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
                       bool(record_routes))
   if slots is not None:
     return engine.run(graphdef, params, prompt_ids, prompt_mask, budgets, rng, settings, slots=slots, chunk=chunk,
-                      bucket_min=bucket_min, stats=stats)
+                      bucket_min=bucket_min, stats=stats, prefix=prefix_cache, weights=weights)
   pad = ((0, 0), (bucket - p, 0))
   ids = np.pad(prompt_ids, pad, constant_values=pad_id).astype(np.int32)
   mask = np.pad(prompt_mask, pad).astype(np.int32)

@@ -58,9 +58,9 @@ def test_each_request_once_and_the_cache_set_by_the_slots(llama, monkeypatch):
   def recording_prefill(graphdef, s):
     run = prefill_program(graphdef, s)
 
-    def prefill(params, state, ids, mask, slot_N, request_N, *rest):
+    def prefill(params, state, suffix, n_M, c_M, src_M, slot_N, row_N, request_N, *rest, **kw):
       admitted.extend(np.asarray(request_N)[np.asarray(slot_N) < 3].tolist())  # padding rows go to slot 3 (dropped)
-      return run(params, state, ids, mask, slot_N, request_N, *rest)
+      return run(params, state, suffix, n_M, c_M, src_M, slot_N, row_N, request_N, *rest, **kw)
     return prefill
 
   monkeypatch.setattr(engine, "_prefill_program", recording_prefill)

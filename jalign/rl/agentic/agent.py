@@ -65,16 +65,20 @@ def summary(counts: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
 
 
 def sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: int, slots: int = 0,
-            record_routes: bool = False, **kwargs) -> SampleFn:
+            record_routes: bool = False, prefix_cache: bool = True, **kwargs) -> SampleFn:
   """A SampleFn over `sampling.generate`'s continuous batching (`slots`; 0 = one per row of the call; left-padded
-  prompts; each call folds a counter into `rng`); `record_routes`: with each turn's experts (an MoE policy)."""
+  prompts; each call folds a counter into `rng`); `record_routes`: with each turn's experts (an MoE policy).
+  `prefix_cache` (not with `record_routes`): the slots keep each episode's conversation between calls, so a turn
+  prefills only the model's last token and the new observation, and a record's episodes share their first prompt's
+  prefill (`sampling.PrefixCache`, held as long as this SampleFn)."""
   calls = [0]
+  prefix = sampling.PrefixCache() if prefix_cache and not record_routes else None
 
   def sample(rows: list[list[int]]):
     ids, mask = left_pad_ids(rows, pad_id)
     out = sampling.generate(lm, ids, mask, jax.random.fold_in(rng, calls[0]), max_new_tokens=max_turn_tokens,
                             temperature=temperature, stop_token_ids=(tok.eos_id,), pad_id=pad_id,
-                            slots=slots, record_routes=record_routes, **kwargs)
+                            slots=slots, record_routes=record_routes, prefix_cache=prefix, **kwargs)
     calls[0] += 1
     if record_routes:
       return to_host((out.tokens, out.logprobs, out.lengths, out.routes))
