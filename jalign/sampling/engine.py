@@ -57,9 +57,9 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
         bucket_min: int, stats: dict | None = None, prefix: PrefixCache | None = None, weights=()) -> GenerateOutput:
   """Requests n = b * num_samples + i (prompt b's i-th sample), served a group at a time in prompt order.
   `stats`, when given, gets `decode_steps` and the cache positions a step reads on average: `read_bound` (the
-  dense form's, every slot to the common bound) and `read_lengths` (a per-slot-length kernel's); and the prompt
-  tokens of all requests (`prompt_tokens`) against those prefilled (`prefill_tokens`): a group's prompt is prefilled
-  once. `prefix` (a `PrefixCache`, not with recorded routes): the slots are kept for the next call, a prompt that
+  dense form's, every slot to the common bound) and `read_lengths` (a per-slot-length kernel's); and this call's
+  prompt tokens of all requests (`prompt_tokens`) against those prefilled (`prefill_tokens`): a group's prompt is
+  prefilled once. `prefix` (a `PrefixCache`, not with recorded routes): the slots are kept for the next call, a prompt that
   extends a held sequence prefills only the rest, and identical prompts of a call are prefilled once; `weights`: the
   model's own arrays (before any re-layout for sampling), which the held keys and values belong to."""
   g = s.num_samples
@@ -75,6 +75,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   prefix = prefix or PrefixCache()
   init = lambda n, length: KVCache.init(lm.cfg, n, length, s.cache_dtype).per_row()  # noqa: E731
   state = _init(lm.cfg, prefix.start(weights, init, slots, fit(widest + s.max_new)), widest, s)
+  counted = prefix.prompt_tokens, prefix.prefill_tokens
   slots, max_len = state.cache.segment_BxS.shape
   prefill, decode = _prefill_program(graphdef, s), _decode_program(graphdef, s)
 
@@ -128,7 +129,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   if stats is not None:
     steps, bound, lengths = np.asarray(state.reads).tolist()
     stats.update(decode_steps=int(steps), read_bound=bound / max(steps, 1), read_lengths=lengths / max(steps, 1),
-                 prompt_tokens=prefix.prompt_tokens, prefill_tokens=prefix.prefill_tokens)
+                 prompt_tokens=prefix.prompt_tokens - counted[0], prefill_tokens=prefix.prefill_tokens - counted[1])
   return GenerateOutput(jnp.asarray(out_tokens), jnp.asarray(out_logp), jnp.asarray(out_len), jnp.asarray(out_stop),
                         None if out_routes is None else jnp.asarray(out_routes))
 

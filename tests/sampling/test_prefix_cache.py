@@ -57,12 +57,11 @@ def test_turns_prefill_only_their_new_tokens(llama):
     assert prefilled == prompt == sum(lengths)
   first = cached[0]
   assert first[4] == sum(first[5]) - first[5][3]  # the shared first prompt once
-  for (_, lengths, _, *_), (*_, prompt_then, prefilled_then, rows_then), (*_, prompt, prefilled, rows) in zip(
-      cached, cached, cached[1:]):
+  for (_, lengths, *_, rows_then), (*_, prompt, prefilled, rows) in zip(cached, cached[1:]):
     # each episode's next call: its reply's last token (sampled, never fed back) and its observation
-    new = sum(r - (before + int(n) - 1) for r, before, n in zip(rows, rows_then, lengths))
-    assert prefilled - prefilled_then == new and prompt - prompt_then == sum(rows)
-  assert cached[-1][4] < 0.4 * sum(p[4] for p in plain)
+    assert prefilled == sum(r - (before + int(n) - 1) for r, before, n in zip(rows, rows_then, lengths))
+    assert prompt == sum(rows)
+  assert sum(p[4] for p in cached) < 0.4 * sum(p[4] for p in plain)
 
 
 def test_fewer_slots_than_episodes_rewrite_held_prefixes(llama):
@@ -72,7 +71,7 @@ def test_fewer_slots_than_episodes_rewrite_held_prefixes(llama):
   cached = _episodes(lm, prefix, slots=2, turns=2)
   _same_samples(cached, plain)
   assert len(prefix.held) == 2
-  assert sum(p[4] for p in plain) > cached[-1][4]  # some held prefixes were still there to extend
+  assert sum(p[4] for p in plain) > sum(p[4] for p in cached)  # some held prefixes were still there to extend
 
 
 def test_new_weights_drop_what_is_held(llama):
