@@ -49,6 +49,11 @@ CASES = [(f"{task} 8b {acc} {t // 1024}k", task, "llama3-8b", acc, t, (1, chips,
 CASES += [("dpo 8b v6e-8 32k tp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 2))]
 # Or over two chips of a `sequence` axis (context parallelism: ring attention, activations split along the tokens).
 CASES += [("dpo 8b v6e-8 32k cp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 1, 1, 2))]
+# Long reasoning traces over a `sequence` axis: Llama-3-8B GRPO at 64k tokens on a v5p-8 (4 chips) and at 128k on a
+# v5p-16 (8 chips); a Qwen3-8B-shaped DPO at 32k on a v5e-8 (16 GiB chips).
+CASES += [("grpo 8b v5p-8 64k cp2", "grpo", "llama3-8b", "v5p-8", 65536, (1, 2, 1, 1, 2)),
+          ("grpo 8b v5p-16 128k cp4", "grpo", "llama3-8b", "v5p-16", 131072, (1, 2, 1, 1, 4)),
+          ("dpo qwen3-8b v5e-8 32k cp8", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 1, 1, 8))]
 CASES += [(f"grpo 70b v5p-64 {t // 1024}k", "grpo", "llama3-70b", "v5p-64", t, (1, 8, 4)) for t in (4096, 8192)]
 # MoE (Qwen3-MoE shapes, 128 experts, top 8) at 8k tokens: experts gathered like dense weights (FSDP) against split
 # over an `expert` axis (expert parallelism, the fourth mesh size).

@@ -26,7 +26,7 @@ import os
 import sys
 
 # Preset shapes from the published Hugging Face configs (config.json of meta-llama/Meta-Llama-3-8B and -70B,
-# Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B and openai/gpt-oss-20b); `rope_theta` and `rope` become the RoPE config.
+# Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B and openai/gpt-oss-20b); `rope_theta` and `rope` become the RoPE config.
 _QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, num_kv_heads=4, head_dim=128, qk_norm=True,
                   max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
                   norm_topk_prob=True, rope_theta=1e6)
@@ -37,6 +37,10 @@ ARCHS = {
     "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
                        num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
                        rope_theta=500000.0),
+    # Qwen/Qwen3-8B: 36 layers, GQA 32/8, qk-norm, untied embeddings (8.19 B parameters).
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                     num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1e6),
     "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
                           moe_intermediate_size=768),
     "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
