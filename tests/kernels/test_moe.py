@@ -239,7 +239,7 @@ def test_megablox_experts_mlp_compiles_for_a_tpu_with_its_gradient():
   assert mem.temp_size_in_bytes < e * t * f * 2
 
 
-@pytest.mark.parametrize("shape", [None, (1, 2, 1, 4)])
+@pytest.mark.parametrize("shape", [None, pytest.param((1, 2, 1, 4), marks=pytest.mark.long)])  # CI time: the mesh one
 def test_expert_adapter_dropout_is_inverted_dropout_of_each_copys_adapter_input(shape):
   """Dropout on the experts' adapters (PEFT's lora_dropout on per-expert modules): rate 0 changes nothing; each key
   draws other masks; the down projection's adapter is linear in its dropped-out input, so over many keys its mean is

@@ -123,6 +123,7 @@ def test_dropout_only_with_a_key():
   assert float(jnp.max(jnp.abs(dropped - plain))) > 1e-3
 
 
+@pytest.mark.long  # CI time; kernels/test_moe checks routed-expert adapter dropout
 def test_dropout_with_adapters_on_routed_experts_acts_only_in_training_forwards():
   """all-linear with dropout on an MoE model: the experts' adapters too (tests/kernels/test_moe.py checks the
   masks); a forward without a dropout key is the eval forward, one with a key differs, and gradients reach every

@@ -111,8 +111,10 @@ def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
 
 @pytest.mark.parametrize("task,keys", [
     ("dpo", ("train/loss", "rewards/margins", "logps/chosen")),
-    ("rm", ("train/loss", "rewards/chosen", "margin")),
-    ("grpo", ("actor/loss", "actor/kl_loss", "critic/score/mean", "response_length/mean")),
+    # CI time: DPO stays in the default run
+    pytest.param("rm", ("train/loss", "rewards/chosen", "margin"), marks=pytest.mark.long),
+    pytest.param("grpo", ("actor/loss", "actor/kl_loss", "critic/score/mean", "response_length/mean"),
+                 marks=pytest.mark.long),
 ])
 def test_preference_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   """GRPO: both processes generate the same rollouts on the global mesh, gather and score them identically."""
@@ -133,6 +135,7 @@ def test_preference_and_grpo_two_processes_equal_one(task, keys, tmp_path):
   _same_weights(str(tmp_path / "one"), str(tmp_path / "two"), atol=3e-5, outliers=1e-3, outlier_atol=2e-4)
 
 
+@pytest.mark.long  # CI time; SFT and DPO on two processes stay in the default run
 def test_async_grpo_on_two_processes_samples_on_a_rollout_mesh(tmp_path):
   """Asynchronous GRPO over two processes: the generation thread samples on devices set apart in each process
   (grpo.rollout_mesh), so its programs and the update's share no device and no collective; the run equals one

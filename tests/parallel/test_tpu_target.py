@@ -99,6 +99,7 @@ def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
   assert 0.8 < r["target"]["step_time_lower_bound_s"] < 1.1
 
 
+@pytest.mark.long  # CI time; the Llama-3-8B slice compile stays in the default run
 def test_qwen3_30b_a3b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
   """The MoE preset: Qwen3-30B-A3B (128 experts, top 8) SFT, one 8192-token sequence per chip, bf16, full remat,
   compiled for TPU v5p (4 chips, FSDP over them): the experts run the Mosaic grouped matmul inside shard_map (the

@@ -116,6 +116,7 @@ def test_dynamic_sampling_refills_informative_groups(tmp_path):
   assert any(r["actor/gen_batches"] > 1 for r in steps), steps
 
 
+@pytest.mark.long  # CI time
 def test_compacted_update_equals_the_masked_one(tmp_path):
   """grpo.compact_sizes leaves the groups that dynamic sampling masks out of the update batch: the run samples the
   same completions and ends at the same weights as the one that keeps them in, masked."""

@@ -55,7 +55,7 @@ def _steps(run_dir):
   return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "actor/pg_loss" in line]
 
 
-@pytest.mark.parametrize("replay", [True, False])
+@pytest.mark.parametrize("replay", [pytest.param(True, marks=pytest.mark.long), False])  # CI time: one of two
 def test_online_grpo_replays_the_samplers_experts(moe_policy, tmp_path, replay):
   """fp32, on-policy: the sampler's experts are the trainer's own choices (mismatch 0) and its log-probs the
   trainer's; the update runs with the routes column exactly when replaying."""
@@ -71,6 +71,7 @@ def test_online_grpo_replays_the_samplers_experts(moe_policy, tmp_path, replay):
   assert (task.abstract_batch(task.setup.model_cfg).routes is not None) == replay
 
 
+@pytest.mark.long  # CI time; online replay, episodes' recorded experts and regrouping stay in the default run
 def test_async_grpo_replays_the_behaviour_policys_experts(moe_policy, tmp_path):
   """With async_staleness 1 the rollout of step 2 was sampled by the policy before step 1's update: its experts
   (checkpointed with the in-flight rollout) are the behaviour policy's, which the current router partly disagrees
@@ -84,6 +85,7 @@ def test_async_grpo_replays_the_behaviour_policys_experts(moe_policy, tmp_path):
   assert all(0.0 < r["rollout/routing_mismatch"] < 0.5 for r in steps[1:]), steps
 
 
+@pytest.mark.long  # CI time; online replay, episodes' recorded experts and regrouping stay in the default run
 def test_a_buffer_carries_the_experts_into_offline_grpo(moe_policy, tmp_path):
   rollout_task.run(run_config("rollout", run_dir=str(tmp_path / "rollout"), model__path=moe_policy,
                               rollout__prompts="synthetic:arith:train:8", rollout__prompts_per_batch=4, **QUIET))
@@ -150,6 +152,7 @@ def test_multi_turn_episodes_record_each_tokens_experts(moe_policy):
     assert float(jnp.sum(own.mismatch_sum)) == 0.0 and float(jnp.sum(own.recorded)) == L * recorded.sum()
 
 
+@pytest.mark.long  # CI time; online replay, episodes' recorded experts and regrouping stay in the default run
 def test_grpo_on_episodes_replays_the_samplers_experts(moe_policy, tmp_path):
   """env.name with routing replay: the episodes' experts reach the update (mismatch 0 in fp32)."""
   cfg = run_config("grpo", run_dir=str(tmp_path), model__path=moe_policy, train__steps=2, grpo__routing_replay=True,
@@ -216,6 +219,7 @@ def test_the_update_adds_the_router_terms_it_is_given(moe_policy):
   np.testing.assert_allclose(float(num1 - num0), 0.5 * aux_loss * float(den1), rtol=1e-4)
 
 
+@pytest.mark.long  # CI time; online replay, episodes' recorded experts and regrouping stay in the default run
 def test_expert_parallel_grpo_equals_the_fsdp_run(moe_policy, tmp_path):
   """The policy's 4 experts split over an `expert` axis of 4 (fsdp 2): sampling and the update exchange token
   copies by all-to-all, and the run equals the one whose 8 devices all hold every expert (fp32: the same samples,
