@@ -54,7 +54,7 @@ def episodes(lm, tok, records, cached: bool) -> tuple[dict, float]:
   sample = agent.sampler(lm, tok, jax.random.key(0), max_turn_tokens=16, temperature=1.0, pad_id=tok.pad_id,
                          prefix_cache=cached, stats=stats)
   start = time.perf_counter()
-  out = agent.rollout(lambda: env_lib.make("calculator", tool_format="compact", max_turns=3), tok, records, 4,
+  out = agent.rollout(lambda: env_lib.make("calculator", fmt="compact", max_turns=3), tok, records, 4,
                       counting(sample, stats, totals), max_turn_tokens=16, max_tokens=128)
   totals["turns"] = float(out.metrics()["agent/turns/mean"])
   totals["tool_calls"] = float(out.metrics()["agent/tool_calls/mean"])
