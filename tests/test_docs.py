@@ -59,7 +59,14 @@ def test_every_task_page_has_a_smoke_command():
                    "scale-out.md", "reliability.md", "distill.md"}, pages
 
 
-@pytest.mark.parametrize("page,command,fails", SMOKE, ids=[f"{p}:{' '.join(c[3:4])}" for p, c, _ in SMOKE])
+# The commands whose run another test of the default run makes (tests/train/test_pipeline.py, tests/rl/test_traces.py)
+# run in the long tier (CI time).
+_COVERED = ("configs/pipeline.py:tiny", "configs/agent.py:tiny")
+
+
+@pytest.mark.parametrize("page,command,fails", [
+    pytest.param(p, c, f, marks=pytest.mark.long) if any(x in " ".join(c) for x in _COVERED) else (p, c, f)
+    for p, c, f in SMOKE], ids=[f"{p}:{' '.join(c[3:4])}" for p, c, _ in SMOKE])
 def test_docs_command_runs(tmp_path, page, command, fails):
   """Each documented command runs as written at smoke size (one CPU device, the run directory in tmp_path); one
   documented as an error ends with `error:` and status 2. Recipes on a real model (MODEL) are run by

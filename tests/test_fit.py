@@ -76,8 +76,10 @@ def test_llama3_8b_fit_check_on_16_devices_allocates_nothing(tmp_path):
 @pytest.mark.parametrize("config,overrides", [
     ("grpo", {}),
     ("ppo", {}),
-    ("grpo", {"grpo__async_staleness": 1, "policy_loss__rollout_is": "token", "sampling__top_k": 5, "grpo__ppo_epochs": 2}),
-    ("grpo", {"grpo__prompts_per_step": 1, "grpo__mini_batches": 2, "mesh__shape": (1, 2, 1)}),
+    pytest.param("grpo", {"grpo__async_staleness": 1, "policy_loss__rollout_is": "token", "sampling__top_k": 5,
+                          "grpo__ppo_epochs": 2}, marks=pytest.mark.long),  # CI time
+    pytest.param("grpo", {"grpo__prompts_per_step": 1, "grpo__mini_batches": 2, "mesh__shape": (1, 2, 1)},
+                 marks=pytest.mark.long),  # CI time
 ], ids=["grpo", "ppo", "async-corrected", "mini-batch-within-a-group"])
 def test_fit_compiles_the_update_the_run_runs(tmp_path, monkeypatch, config, overrides):
   """The fit check's batch has the columns the run's update receives (the log-prob plan: old, behaviour, kept and

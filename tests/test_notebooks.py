@@ -8,7 +8,7 @@ import pytest
 from tests.configs_util import ROOT
 
 
-@pytest.mark.parametrize("name", ["grpo_quickstart", "dpo_rm_quickstart"])
+@pytest.mark.parametrize("name", ["grpo_quickstart", pytest.param("dpo_rm_quickstart", marks=pytest.mark.long)])  # CI time
 def test_notebook_runs(name, monkeypatch):
   # The kernel sees one CPU device, as a Colab CPU runtime does (the tests' eight fake devices are covered in-process).
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]

@@ -32,7 +32,7 @@ def _long_conversations(tok, rows: int, tokens: int):
   return ids, mask
 
 
-@pytest.mark.parametrize("impl", ["chunked", "auto"])
+@pytest.mark.parametrize("impl", [pytest.param("chunked", marks=pytest.mark.long), "auto"])  # auto takes chunked here
 def test_smollm2_logits_at_1k_tokens_match_transformers(smollm2_hf, impl):  # noqa: F811
   path, model = smollm2_hf
   tok = tokenizer.load(path)

@@ -34,7 +34,7 @@ def _losses(run_dir) -> dict[int, dict]:
   return out
 
 
-@pytest.fixture(scope="module", params=["sft", "dpo", "grpo"])
+@pytest.fixture(scope="module", params=["sft", pytest.param("dpo", marks=pytest.mark.long), "grpo"])  # CI time
 def clean(request, tmp_path_factory):
   run_dir = tmp_path_factory.mktemp(f"clean_{request.param}")
   timing = str(run_dir / "train_seconds")

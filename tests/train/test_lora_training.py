@@ -85,7 +85,8 @@ def test_dpo_reference_is_the_base_with_adapters_off(tmp_path):
   assert abs(final["rewards/chosen"]) > 1e-3 and abs(final["rewards/margins"]) > 1e-4
 
 
-@pytest.mark.parametrize("task", ["grpo", "ppo", "rm"])
+@pytest.mark.parametrize("task", ["grpo", pytest.param("ppo", marks=pytest.mark.long),
+                                  pytest.param("rm", marks=pytest.mark.long)])  # CI time
 def test_objectives_run_with_adapters(task, tmp_path):
   run_dir = str(tmp_path / task)
   if task == "rm":
