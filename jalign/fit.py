@@ -26,7 +26,8 @@ import os
 import sys
 
 # Preset shapes from the published Hugging Face configs (config.json of meta-llama/Meta-Llama-3-8B and -70B,
-# Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B and openai/gpt-oss-20b); `rope_theta` and `rope` become the RoPE config.
+# Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B and openai/gpt-oss-20b); `rope_theta` and `rope` become
+# the RoPE config.
 _QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, num_kv_heads=4, head_dim=128, qk_norm=True,
                   max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
                   norm_topk_prob=True, rope_theta=1e6)
@@ -258,8 +259,9 @@ def advice(r: dict, hbm_bytes: float) -> dict:
   for found in (same_chips, more_chips):
     if found:
       return found[0]
-  return {"text": f"to fit: no one axis up to 64x does (train state {size(state)}, the rest {size(rest)}); shrink what is trained or kept: LoRA, model.remat=full, a shorter "
-                  "train.seq_len", "overrides": {}, "estimate": None}
+  return {"text": f"to fit: no one axis up to 64x does (train state {size(state)}, the rest {size(rest)}); "
+                  "shrink what is trained or kept: LoRA, model.remat=full, a shorter train.seq_len",
+          "overrides": {}, "estimate": None}
 
 
 def main(argv=None) -> int:

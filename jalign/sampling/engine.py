@@ -59,9 +59,9 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   `stats`, when given, gets `decode_steps` and the cache positions a step reads on average: `read_bound` (the
   dense form's, every slot to the common bound) and `read_lengths` (a per-slot-length kernel's); and this call's
   prompt tokens of all requests (`prompt_tokens`) against those prefilled (`prefill_tokens`): a group's prompt is
-  prefilled once. `prefix` (a `PrefixCache`, not with recorded routes): the slots are kept for the next call, a prompt that
-  extends a held sequence prefills only the rest, and identical prompts of a call are prefilled once; `weights`: the
-  model's own arrays (before any re-layout for sampling), which the held keys and values belong to."""
+  prefilled once. `prefix` (a `PrefixCache`, not with recorded routes): the slots are kept for the next call, a
+  prompt that extends a held sequence prefills only the rest, and identical prompts of a call are prefilled once;
+  `weights`: the model's own arrays (before any re-layout for sampling), which the held keys and values belong to."""
   g = s.num_samples
   reals = [np.asarray(ids[m == 1], np.int32) for ids, m in zip(prompt_ids, prompt_mask)]
   widest = prompt_bucket(max(map(len, reals)), bucket_min)
@@ -167,7 +167,7 @@ def _admit(prefill, params, state: Slots, prefix: PrefixCache, keep: bool, admit
   taken = set()
   for j, (row, request) in enumerate(requests):
     first = rows[row][0] if rows[row][0] not in taken else -1
-    slot = prefix.pick(free - taken, refs, 1, first)[0]
+    slot = prefix.pick(free - taken, refs, first)
     taken.add(slot)
     slot_N[j], row_N[j], request_N[j] = slot, row, request
     serving[slot] = request

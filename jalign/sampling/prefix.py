@@ -71,8 +71,9 @@ class PrefixCache:
         best = (s, length)
     return best
 
-  def pick(self, free: set, refs: dict, count: int, first: int = -1) -> list[int]:
-    """`count` free slots to write, `first` (a request's own prefix, extended in place) before the rest: empty ones,
-    then held ones no queued request references, then referenced ones, each least recently used first."""
-    order = sorted(free - {first}, key=lambda s: (self.held[s] is not None, refs.get(s, 0) > 0, self.used[s]))
-    return ([first] if first in free else []) + order[:count - (first in free)]
+  def pick(self, free: set, refs: dict, first: int = -1) -> int:
+    """A free slot to write: `first` (a request's own prefix, extended in place) if free, else an empty one, then
+    a held one no queued request references, then a referenced one, each least recently used first."""
+    if first in free:
+      return first
+    return min(free, key=lambda s: (self.held[s] is not None, refs.get(s, 0) > 0, self.used[s], s))
