@@ -53,7 +53,8 @@ CASES += [("dpo 8b v6e-8 32k cp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 1,
 # v5p-16 (8 chips); a Qwen3-8B-shaped DPO at 32k on a v5e-8 (16 GiB chips).
 CASES += [("grpo 8b v5p-8 64k cp2", "grpo", "llama3-8b", "v5p-8", 65536, (1, 2, 1, 1, 2)),
           ("grpo 8b v5p-16 128k cp4", "grpo", "llama3-8b", "v5p-16", 131072, (1, 2, 1, 1, 4)),
-          ("dpo qwen3-8b v5e-8 32k cp8", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 1, 1, 8))]
+          ("dpo qwen3-8b v5e-8 32k cp8", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 1, 1, 8)),
+          ("dpo qwen3-8b v5e-8 32k cp4 tp2", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 2, 1, 4))]
 CASES += [(f"grpo 70b v5p-64 {t // 1024}k", "grpo", "llama3-70b", "v5p-64", t, (1, 8, 4)) for t in (4096, 8192)]
 # MoE (Qwen3-MoE shapes, 128 experts, top 8) at 8k tokens: experts gathered like dense weights (FSDP) against split
 # over an `expert` axis (expert parallelism, the fourth mesh size).
