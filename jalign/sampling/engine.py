@@ -69,8 +69,6 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   # Where decode attention is a kernel it reads each slot up to its own length, in pages: no common bound needed.
   ragged = decode_impl(lm.cfg.decode_attention, None, lm.cfg.head_dim, PAGE, lm.cfg.attn_sinks) != "xla"
   fit = lambda n: -(-n // PAGE) * PAGE if ragged else n  # noqa: E731
-  if prefix is not None and s.routes:
-    raise ValueError("prefix caching and record_routes: a held prefix's experts are not kept; use one of them")
   keep = prefix is not None
   prefix = prefix or PrefixCache()
   init = lambda n, length: KVCache.init(lm.cfg, n, length, s.cache_dtype).per_row()  # noqa: E731
