@@ -121,6 +121,7 @@ def _engine_decode_for_tpu(head_dim: int, mesh_shape=(1, 1, 1), slots=64, max_le
   for TPU v5e chips, slots split over 'data'."""
   from jalign.models.config import ModelConfig
   from jalign.models.decoder import Decoder
+  from jalign.models.kv_cache import KVCache
   from jalign.parallel import tpu_target
   from jalign.sampling import engine
   from jalign.sampling.settings import Settings
@@ -135,7 +136,8 @@ def _engine_decode_for_tpu(head_dim: int, mesh_shape=(1, 1, 1), slots=64, max_le
                            ("data", "fsdp", "tensor"))
   lay = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(  # noqa: E731
       mesh, P("data") if a.ndim and a.shape[0] == slots else P()))
-  state = jax.tree.map(lay, jax.eval_shape(lambda: engine._init(cfg, slots, max_len, 256, s)))
+  cache = lambda: KVCache.init(cfg, slots, max_len, s.cache_dtype).per_row()  # noqa: E731
+  state = jax.tree.map(lay, jax.eval_shape(lambda: engine._init(cfg, cache(), 256, s)))
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
   scalar = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
   with jax.set_mesh(mesh):
