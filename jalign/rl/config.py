@@ -55,6 +55,12 @@ class GrpoSection:
   # sampler log-probs are the behaviour policy's: the clipped ratio is taken against them, or with a rollout
   # correction (rollout_is / rollout_rs) against the policy before the update. 0 = synchronous.
   async_staleness: int = bounded(0, ge=0)
+  # Partial rollouts (with async_staleness k >= 2): a step's responses are sampled over the k updates before it, a
+  # segment of ceil(max_new_tokens / k) tokens per update, the last one to the end, each by the policy of its time:
+  # at a weight update the responses in flight continue under the new weights (re-prefilled by them) rather than
+  # being finished by the old ones. Each token keeps its own behaviour log-prob and version; a token is at most k
+  # updates old, as with whole rollouts, and the later segments' tokens are fresher (rollout/policy_lag: per token).
+  partial_rollouts: bool = False
   # Sampling on devices of its own: a (data, fsdp, tensor[, expert]) mesh over each process's last devices (its product
   # a multiple of the process count), the training mesh (mesh.shape) over the rest; the policy's weights are copied
   # across when a rollout is submitted. With async_staleness the update and the generation then run side by side
@@ -111,6 +117,15 @@ def check(cfg, dp: int) -> None:
   if g.async_staleness and g.buffer:
     raise ConfigError(f"config.grpo.async_staleness={g.async_staleness} overlaps generation with the update; "
                       "offline training (grpo.buffer) generates nothing: set async_staleness=0")
+  if g.partial_rollouts:
+    if g.async_staleness < 2:
+      raise ConfigError(f"config.grpo.partial_rollouts=True spreads a rollout over the updates it is sampled across; "
+                        f"with grpo.async_staleness={g.async_staleness} it spans at most one: set async_staleness >= 2 "
+                        "(or partial_rollouts=False)")
+    if env.name or a.estimator == "remax":
+      what = f"env.name={env.name!r} (multi-turn episodes)" if env.name else "advantage.estimator='remax'"
+      raise ConfigError(f"config.grpo.partial_rollouts=True with {what}: partial rollouts sample single-turn "
+                        "responses; set partial_rollouts=False")
   if a.estimator == "remax" and g.buffer:
     raise ConfigError("config.advantage.estimator='remax' samples a greedy baseline response per prompt while "
                       "training; a replay buffer (grpo.buffer) has none: use online training or another estimator")
@@ -143,3 +158,13 @@ def check(cfg, dp: int) -> None:
   if unit_rows % dp:
     raise ConfigError(f"config.grpo.compact_sizes={g.compact_sizes}: a size step of {unit_rows} completions per "
                       f"mini-batch does not split over data-parallel size (data x fsdp x expert = {dp}); use fewer sizes")
+
+
+def check_policy(g: GrpoSection, model_cfg) -> None:
+  """The grpo section's checks against the policy's architecture (`model_cfg`)."""
+  if g.partial_rollouts and model_cfg.num_experts:
+    raise ConfigError("config.grpo.partial_rollouts=True with an MoE policy: a response re-prefilled under new "
+                      "weights would record the new policy's experts for its earlier tokens; set it False")
+  if g.routing_replay and not model_cfg.num_experts:
+    raise ConfigError(f"config.grpo.routing_replay: the policy ({model_cfg.model_type}) has no experts; "
+                      "routing replay applies to Mixture-of-Experts models only")

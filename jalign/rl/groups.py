@@ -28,6 +28,7 @@ class Groups:
   rm_scores: np.ndarray | None = None   # [N] reward-model share of the scores
   baselines: np.ndarray | None = None   # [N] reward of the prompt's greedy response (remax)
   sampler_logp: np.ndarray | None = None   # [N, R] the sampler's log-probs of the response tokens (online)
+  versions: np.ndarray | None = None    # [N, R] int32: the policy version (updates applied) that sampled each token
   loss_mask: np.ndarray | None = None   # [N, R] multi-turn: 1 on the model's tokens (observations excluded)
   counts: np.ndarray | None = None      # [N, 4] multi-turn: turns, tool calls, tool errors, truncated
   token_rewards: np.ndarray | None = None  # [N, R] multi-turn: each turn's reward on its last token
@@ -54,6 +55,20 @@ class Groups:
     return (f"Rewards: {names}. For example {p.where} (ground truth {p.ground_truth!r}) scored "
             f"{float(self.scores[0]):g} for the completion {text[:160]!r}.")
 
+  def stamped(self, version: int) -> "Groups":
+    """These groups with every response token marked as sampled by policy `version` (-1 past each length), unless
+    they carry their tokens' versions already (partial rollouts)."""
+    if self.versions is not None:
+      return self
+    real = np.arange(self.response.shape[1])[None, :] < np.asarray(self.lengths)[:, None]
+    return dataclasses.replace(self, versions=np.where(real, version, -1).astype(np.int32))
+
+  def lags(self, trained_version: int) -> np.ndarray:
+    """Each real response token's staleness: the updates between the policy that sampled it and
+    `trained_version`, the policy the update starts from."""
+    real = np.arange(self.response.shape[1])[None, :] < np.asarray(self.lengths)[:, None]
+    return trained_version - self.versions[real]
+
   def informative(self) -> np.ndarray:
     """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
     grouped = self.scores.reshape(len(self.prompts), self.size)
@@ -76,7 +91,8 @@ class Groups:
       if name.endswith("routes"):
         return pad_routes(parts, left=name == "prompt_routes")
       if parts[0].ndim == 2 and name != "counts":
-        parts = [np.pad(p, ((0, 0), (0, width - p.shape[1]))) for p in parts]
+        fill = -1 if name == "versions" else 0
+        parts = [np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=fill) for p in parts]
       return np.concatenate(parts)
     return Groups(prompts=[b.prompts[i] for b, i in picked], size=batches[0].size,
                   **{f.name: cat(f.name) for f in dataclasses.fields(Groups)[2:]})
@@ -91,8 +107,8 @@ class Groups:
 
   @classmethod
   def from_json(cls, obj: dict) -> "Groups":
-    arrays = {f.name: None if obj[f.name] is None else np.asarray(obj[f.name]["data"], obj[f.name]["dtype"]).reshape(
-        obj[f.name]["shape"]) for f in dataclasses.fields(cls)[2:]}
+    arrays = {f.name: None if obj.get(f.name) is None else np.asarray(obj[f.name]["data"], obj[f.name]["dtype"])
+              .reshape(obj[f.name]["shape"]) for f in dataclasses.fields(cls)[2:]}  # a field added since: None
     return cls(prompts=[Prompt(**p) for p in obj["prompts"]], size=obj["size"], **arrays)
 
 

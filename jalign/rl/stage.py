@@ -32,6 +32,7 @@ from jalign.rl.agentic.env import EnvSection
 from jalign.rl.batch import RolloutBatch, pad_routes
 from jalign.rl.config import GrpoSection
 from jalign.rl.groups import Groups, OfflineBuffer
+from jalign.rl.partial import Partial
 from jalign.rl.rollout import SamplingSection
 
 
@@ -75,19 +76,38 @@ class RolloutStage:
       return self.offline.batch(indices, pad)
     if self.make_env is not None:
       return self._episodes(lm, indices, key)
-    prompts = [self.encode(self.source[i], index=i, where=self.source.where(i)) for i in indices]
+    prompts = self._prompts(indices)
     # An MoE policy's experts per token: replayed by the update (grpo.routing_replay) or compared with its own
     sampled = rollout.sample(lm, self.tok, prompts, key, self.spec, mesh=self.mesh, rules=self.rules,
                              record_routes=bool(lm.cfg.num_experts))
-    scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=pad, model_reward=self.model_reward)
     baselines = None
     if self.remax:  # verl: the greedy response's reward, generated for the same prompts
       greedy_spec = SamplingSection(self.spec.max_new_tokens, temperature=0.0, num_samples=1)
       greedy = rollout.sample(lm, self.tok, prompts, key, greedy_spec, mesh=self.mesh, rules=self.rules)
       baselines = np.repeat(rollout.score(greedy, self.rewards, pad_id=pad, model_reward=self.model_reward)[0], n)
-    return Groups(prompts=prompts, size=n, response=sampled.tokens, lengths=sampled.lengths, scores=scores,
-                  rm_scores=rm_scores, baselines=baselines, sampler_logp=sampled.logprobs,
-                  prompt_routes=sampled.prompt_routes, response_routes=sampled.response_routes)
+    return self._scored(sampled, baselines=baselines, prompt_routes=sampled.prompt_routes,
+                        response_routes=sampled.response_routes)
+
+  def begin(self, indices) -> Partial:
+    """Partial rollouts (`rl.partial`): the groups of prompts `indices`, nothing sampled yet."""
+    return Partial.start(self._prompts([int(i) for i in indices]), self.spec.num_samples, self.spec.max_new_tokens,
+                         self.tok.pad_id)
+
+  def advance(self, partial: Partial, lm, key, version: int, limit: int | None) -> None:
+    """One segment of `partial` sampled by `lm` (policy `version`): up to `limit` tokens more (None: to the end)."""
+    partial.advance(lm, self.tok, key, self.spec, version, limit, mesh=self.mesh, rules=self.rules)
+
+  def finish(self, partial: Partial) -> Groups:
+    """A partial rollout whose responses have all ended, scored; each token with the version that sampled it."""
+    return self._scored(partial.samples(self.tok), versions=partial.versions)
+
+  def _prompts(self, indices: list[int]) -> list[Prompt]:
+    return [self.encode(self.source[i], index=i, where=self.source.where(i)) for i in indices]
+
+  def _scored(self, sampled: rollout.Samples, **extra) -> Groups:
+    scores, rm_scores = rollout.score(sampled, self.rewards, pad_id=self.tok.pad_id, model_reward=self.model_reward)
+    return Groups(prompts=sampled.prompts, size=sampled.n, response=sampled.tokens, lengths=sampled.lengths,
+                  scores=scores, rm_scores=rm_scores, sampler_logp=sampled.logprobs, **extra)
 
   def _episodes(self, lm, indices: list[int], key) -> Groups:
     """Multi-turn: `n` episodes of the environment per prompt record; the response is everything after the prompt,

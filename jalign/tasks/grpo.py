@@ -29,6 +29,7 @@ from jalign.models.sharding import to_host
 from jalign.objectives import grpo as objective
 from jalign.rewards.verifiable import NEEDS_GROUND_TRUTH
 from jalign.rl.batch import RolloutBatch
+from jalign.rl.config import check_policy
 from jalign.rl.groups import Groups, minibatches
 from jalign.rl.monitors import Monitors
 from jalign.rl.plan import LogprobPlan
@@ -76,9 +77,7 @@ class GrpoTask(Task):
       raise ConfigError(f"config.grpo.async_staleness={g.async_staleness} on {jax.process_count()} processes needs "
                         "sampling on devices of its own: set grpo.rollout_mesh (e.g. (P, 1, 1) for P processes, "
                         "one device each set apart), or async_staleness=0")
-    if g.routing_replay and not setup.model_cfg.num_experts:
-      raise ConfigError(f"config.grpo.routing_replay: the policy ({setup.model_cfg.model_type}) has no experts; "
-                        "routing replay applies to Mixture-of-Experts models only")
+    check_policy(g, setup.model_cfg)
     self.sample_mesh = setup.rollout_mesh or mesh  # sampling's devices: the training mesh's, or set apart
     self.stage = RolloutStage(g, s, cfg.env, tok, self.rewards, remax=cfg.advantage.estimator == "remax",
                               fields=cfg.data.fields(), max_prompt=max_prompt, model_cfg=setup.model_cfg, mesh=self.sample_mesh,
@@ -283,8 +282,8 @@ class GrpoTask(Task):
     metrics.update(agreement)
     if self.kl_ctl is not None or kl.in_reward:
       metrics["actor/kl_coef"] = kl_coef
-    metrics.update(rollout_metrics(rollout, trained, waited, t0, t1, lag=self.step - 1 - rollout.version if
-                                   g.async_staleness else None))
+    metrics.update(rollout_metrics(rollout, trained, waited, t0, t1,
+                                   trains=step - 1 if g.async_staleness else None))
     self._monitor(step, metrics, trained, no_signal)
     return state, StepOut(metrics, records=[p.where for p in trained.prompts])
 

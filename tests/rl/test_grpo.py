@@ -69,6 +69,10 @@ def test_tiny_grpo_runs_and_reports(tmp_path):
      r"rollout_rs_threshold_lower=3.0 must be below rollout_rs_threshold=2.0"),
     (dict(grpo__async_staleness=1, grpo__buffer="runs/x"), r"config.grpo.async_staleness=1 overlaps generation "
                                                            r"with the update; offline training"),
+    (dict(grpo__async_staleness=1, grpo__partial_rollouts=True), r"config.grpo.partial_rollouts=True spreads a "
+                                                                 r"rollout .* set async_staleness >= 2"),
+    (dict(grpo__async_staleness=2, grpo__partial_rollouts=True, advantage__estimator="remax"),
+     r"partial_rollouts=True with advantage.estimator='remax': partial rollouts sample single-turn"),
     (dict(grpo__dynamic_sampling=False, grpo__max_gen_batches=2), r"config.grpo.max_gen_batches=2: .* only with "
                                                                   r"grpo.dynamic_sampling=True"),
     (dict(grpo__compact_sizes=3), r"config.grpo.compact_sizes=3: needs grpo.dynamic_sampling=True .* must divide "
