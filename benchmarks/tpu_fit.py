@@ -54,7 +54,9 @@ CASES += [("dpo 8b v6e-8 32k cp2", "dpo", "llama3-8b", "v6e-8", 32768, (1, 4, 1,
 CASES += [("grpo 8b v5p-8 64k cp2", "grpo", "llama3-8b", "v5p-8", 65536, (1, 2, 1, 1, 2)),
           ("grpo 8b v5p-16 128k cp4", "grpo", "llama3-8b", "v5p-16", 131072, (1, 2, 1, 1, 4)),
           ("dpo qwen3-8b v5e-8 32k cp8", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 1, 1, 8)),
-          ("dpo qwen3-8b v5e-8 32k cp4 tp2", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 2, 1, 4))]
+          ("dpo qwen3-8b v5e-8 32k cp4 tp2", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 2, 1, 4)),
+          # LoRA (rank 16, all-linear): no full-size gradients or Adam moments, the reference is the base
+          ("dpo qwen3-8b v5e-8 32k cp8 lora", "dpo", "qwen3-8b", "v5e-8", 32768, (1, 1, 1, 1, 8), 16)]
 CASES += [(f"grpo 70b v5p-64 {t // 1024}k", "grpo", "llama3-70b", "v5p-64", t, (1, 8, 4)) for t in (4096, 8192)]
 # MoE (Qwen3-MoE shapes, 128 experts, top 8) at 8k tokens: experts gathered like dense weights (FSDP) against split
 # over an `expert` axis (expert parallelism, the fourth mesh size).
@@ -90,6 +92,10 @@ def main():
       print(f"{name:28s} {'x'.join(map(str, mesh)):>9s} failed: {str(e).splitlines()[0][:120]}", flush=True)
       continue
     b, t = r["bytes_per_device"], r["target"]
+    if "out_of_memory" in r:
+      oom = r["out_of_memory"]
+      print(f"{name:28s} {'x'.join(map(str, mesh)):>9s} {oom['message']}; largest: " + ", ".join(
+          f"{size / GIB:.2f}G {shape}" for size, shape, _ in oom["largest"][:3]), flush=True)
     print(f"{name:28s} {'x'.join(map(str, mesh)):>9s} {b['params'] / GIB:7.2f}G {b['optimizer_state'] / GIB:7.2f}G "
           f"{b['peak'] / GIB:7.2f}G {t['hbm_gib']:5.0f}G {'yes' if b['peak'] <= t['hbm_gib'] * GIB else 'NO':>5s} "
           f"{t['step_time_lower_bound_s']:7.3f}s {time.perf_counter() - start:7.0f}s", flush=True)

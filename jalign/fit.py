@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 # Preset shapes from the published Hugging Face configs (config.json of meta-llama/Meta-Llama-3-8B and -70B,
@@ -139,8 +140,13 @@ def report(cfg, arch: str = "", target=None) -> dict:
   batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh), task.abstract_batch(model_cfg))
   columns = batch if isinstance(batch, dict) else batch.columns()  # GRPO / PPO: a RolloutBatch
   with jax.set_mesh(mesh):
-    compiled = jitted.lower(state, batch, None if frozen is None else with_sharding(frozen, frozen_sh)).compile()
-  mem = compiled.memory_analysis()
+    lowered = jitted.lower(state, batch, None if frozen is None else with_sharding(frozen, frozen_sh))
+    try:
+      compiled, oom = lowered.compile(), None
+    except Exception as e:  # noqa: BLE001  the TPU compiler refuses a program over the chip's HBM
+      oom = out_of_memory(str(e)) if target is not None else None
+      if oom is None:
+        raise
   out = {
       "devices": int(mesh.size), "mesh": dict(mesh.shape), "task": cfg.task, "micro_batches": task.micro_batches(),
       "batch": {k: list(v.shape) for k, v in columns.items()},
@@ -150,19 +156,56 @@ def report(cfg, arch: str = "", target=None) -> dict:
       "bytes_per_device": {
           "params": _tree_bytes_per_device(state.params) + (
               _tree_bytes_per_device(with_sharding(frozen, frozen_sh)) if frozen is not None else 0),
-          "optimizer_state": _tree_bytes_per_device(state.opt_state),
-          "arguments": int(mem.argument_size_in_bytes), "temp": int(mem.temp_size_in_bytes),
-          "outputs": int(mem.output_size_in_bytes), "aliased": int(mem.alias_size_in_bytes)}}
+          "optimizer_state": _tree_bytes_per_device(state.opt_state)}}
   b = out["bytes_per_device"]
+  if oom is None:
+    mem = compiled.memory_analysis()
+    b.update(arguments=int(mem.argument_size_in_bytes), temp=int(mem.temp_size_in_bytes),
+             outputs=int(mem.output_size_in_bytes), aliased=int(mem.alias_size_in_bytes))
+  else:  # the program's own need (the compiler's figure) on top of the train state: a lower bound on the peak
+    b.update(arguments=b["params"] + b["optimizer_state"], temp=oom["program"], outputs=0, aliased=0)
+    out["out_of_memory"] = oom
   b["peak_estimate"] = b["arguments"] + b["temp"] + b["outputs"] - b["aliased"]
   if target is not None:  # the TPU compiler's own peak (its buffer schedule), and a FLOP-bound step time
-    b["peak"] = int(getattr(mem, "peak_memory_in_bytes", 0)) or b["peak_estimate"]
+    b["peak"] = (int(getattr(mem, "peak_memory_in_bytes", 0)) if oom is None else 0) or b["peak_estimate"]
     flops = model_flops(model_cfg, columns["tokens"].shape, out["params_total"], out["trainable_params"],
                         lora.routed_adapter_size(params) if m.lora.rank else 0)
     out["target"] = {"chip": target.chip.name, "topology": target.topology, "chips": target.num_chips,
                      "hbm_gib": target.chip.hbm_gib, "model_flops_per_chip": flops / mesh.size,
                      "step_time_lower_bound_s": target.seconds_at_peak(flops / mesh.size)}
   return out
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _bytes(text: str) -> int:
+  """'21.95G' / '530.00M' / '0B' (XLA's sizes, binary units) -> bytes."""
+  m = re.fullmatch(r"([\d.]+)([KMGT]?)B?", text.strip())
+  return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def out_of_memory(message: str) -> dict | None:
+  """The TPU compiler's out-of-memory error read into {"message" (its first sentence), "program" (bytes the
+  program needs beyond its arguments), "capacity", "largest": [(bytes, shape, operation)] (the largest allocations,
+  where the compiler lists them)}; None for any other error. libtpu 0.0.42 says `RESOURCE_EXHAUSTED: Ran out of
+  memory on HBM, the total memory required for HLO temporaries (32.97G) exceeds available HBM (15.75G).`; older
+  ones `... Ran out of memory in memory space hbm. Used 21.95G of 15.48G hbm ...` with a list of allocations."""
+  size = r"([\d.]+[KMGT]?B?)"
+  m = (re.search(rf"Ran out of memory on HBM, the total memory required for HLO temporaries \({size}\) exceeds "
+                 rf"available HBM \({size}\)", message) or
+       re.search(rf"Ran out of memory in memory space hbm\. Used {size} of {size} hbm", message))
+  if m is None:
+    return None
+  program = re.search(rf"\n\s*program\s+{size}", message)
+  largest = []
+  for size, body in re.findall(r"\n\s*\d+\. Size: ([\d.]+[KMGT]?B?)\n(.*?)(?=\n\s*\d+\. Size:|\n\s*=+\s*\n|$)",
+                               message, re.S):
+    shape = re.search(r"Shape: (\S+)", body)
+    op = re.search(r'op_name="([^"]*)"', body)
+    largest.append((_bytes(size), shape.group(1) if shape else "", op.group(1) if op else ""))
+  return {"message": m.group(0), "program": _bytes(program.group(1) if program else m.group(1)),
+          "capacity": _bytes(m.group(2)), "largest": largest[:5]}
 
 
 def model_flops(model_cfg, tokens_shape, params_total: int, trainable_params: int, routed_adapters: int = 0
@@ -206,8 +249,13 @@ def format_report(r: dict, hbm_gib: float = 0.0) -> str:
            f"({r['trainable_params'] / 1e6:,.1f} M trainable); per device:",
            f"  parameters       {gib(b['params'])}", f"  optimizer state  {gib(b['optimizer_state'])}",
            f"  arguments        {gib(b['arguments'])}", f"  temporaries      {gib(b['temp'])}"]
+  oom = r.get("out_of_memory")
+  if oom:  # no executable, so no buffer schedule: the compiler's own account of why
+    lines.append(f"  the TPU compiler ran out of memory: {oom['message']}" +
+                 ("; its largest allocations:" if oom["largest"] else ""))
+    lines += [f"    {gib(size)}  {shape}  {op[-100:]}" for size, shape, op in oom["largest"]]
   if t:
-    lines.append(f"  peak             {gib(b['peak'])}")
+    lines.append(f"  peak             {gib(b['peak'])}" + ("  (at least: train state + program)" if oom else ""))
     lines.append(f"  step time >= {t['step_time_lower_bound_s']:.3f} s (lower bound: "
                  f"{t['model_flops_per_chip'] / 1e12:,.1f} TFLOPs of model FLOPs per chip at its bf16 peak)")
     hbm_gib = hbm_gib or t["hbm_gib"]

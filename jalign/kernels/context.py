@@ -61,6 +61,33 @@ def inverse(order: np.ndarray) -> np.ndarray:
   return np.argsort(order)
 
 
+def balanced_order(length: int) -> bool:
+  """Whether a model's tokens go over the current mesh's sequence shards in `zigzag` order: there are shards and
+  the length splits into twice as many equal chunks (else the contiguous split, correct but unbalanced)."""
+  shards = sequence_shards()
+  return shards > 1 and length % (2 * shards) == 0
+
+
+def to_zigzag(x, shards: int, axis: int = 1):
+  """`x` with its `axis` (tokens) in `zigzag(T, shards)` order, by slices, a reversal and a reshape (collective
+  permutes over a sharded axis, not a gather of the whole sequence): [.., 2P chunks, ..] -> shard d's chunks d and
+  2P - 1 - d side by side."""
+  x = jnp.moveaxis(x, axis, 0)
+  t = x.shape[0]
+  chunks = x.reshape(2 * shards, t // (2 * shards), *x.shape[1:])
+  pairs = jnp.stack([chunks[:shards], chunks[shards:][::-1]], axis=1)  # [P, 2, c, ...]
+  return jnp.moveaxis(pairs.reshape(x.shape), 0, axis)
+
+
+def from_zigzag(x, shards: int, axis: int = 1):
+  """`to_zigzag` undone."""
+  x = jnp.moveaxis(x, axis, 0)
+  t = x.shape[0]
+  pairs = x.reshape(shards, 2, t // (2 * shards), *x.shape[1:])
+  chunks = jnp.concatenate([pairs[:, 0], pairs[::-1, 1]])
+  return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
+
+
 def pick_form(form: str, shards: int, q_heads: int, kv_heads: int) -> str:
   if form not in FORMS:
     raise ValueError(f"context attention form {form!r}; available: {', '.join(FORMS)}")

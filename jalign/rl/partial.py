@@ -58,10 +58,12 @@ class Partial:
                                 for r in rows], tok.pad_id)
       n = 1
     stop = tuple(t for t in (tok.eos_id,) if t is not None)
-    out = sampling.generate(lm, ids, mask, key, max_new_tokens=int(budgets.max()), temperature=spec.temperature,
-                            top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, stop_token_ids=stop,
-                            num_samples=n, pad_id=tok.pad_id, mesh=mesh, rules=rules, slots=spec.slots,
-                            budgets=budgets)
+    # The same programs each segment (a call's shapes are its settings, slots and buckets): max_new_tokens is the
+    # segment's or the whole response's, each row's own limit a budget; the slots cover the whole rollout's rows.
+    out = sampling.generate(lm, ids, mask, key, max_new_tokens=limit or self.tokens.shape[1],
+                            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
+                            stop_token_ids=stop, num_samples=n, pad_id=tok.pad_id, mesh=mesh, rules=rules,
+                            slots=spec.slots or len(self.tokens), budgets=budgets)
     tokens, lengths, logprobs, finish = to_host((out.tokens, out.lengths, out.logprobs, out.finish_reason))
     for j, r in enumerate(rows):
       a, b = self.lengths[r], self.lengths[r] + lengths[j]

@@ -29,8 +29,8 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   t-th token is drawn with the key (request n, step t) whatever batch or slot it runs in.
 
   `slots=None`: one static batch (every row decodes until the last one stops). `slots=k`: continuous batching over k
-  cache slots (`jalign.sampling.engine`; a whole group at a time, so k >= num_samples; 0 or more than N = one slot per
-  request), the same samples for the same `rng`; `stats` (a dict) gets the engine's decode counters (`engine.run`).
+  cache slots (`jalign.sampling.engine`; a whole group at a time, so k >= num_samples; 0 = one slot per request; more
+  than N: N rounded up to a power of two), the same samples for the same `rng`; `stats` (a dict) gets the engine's decode counters (`engine.run`).
   `budgets` [N]: each request's own token budget (<= max_new_tokens), as a per-request max_tokens.
   With `mesh` and `rules` (e.g. `models.without_fsdp(training_rules)`), the weights are laid out for sampling first
   (one on-device re-layout per call); otherwise generation runs on the weights' current (training) layout.
@@ -58,7 +58,8 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
   if record_routes and not lm.cfg.num_experts:
     raise ValueError(f"record_routes: the model ({lm.cfg.model_type}) has no experts")
   if slots is not None:
-    slots = min(slots, n) if slots else n
+    # fewer requests than slots: a power of two of them, so calls with varying request counts share programs
+    slots = min(slots, 1 << (n - 1).bit_length()) if slots else n
   if slots is not None and slots < num_samples:
     raise ValueError(f"slots={slots} cannot hold a group of num_samples={num_samples}")
   if prefix_cache is not None and slots is None:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jalign.config import RunConfig
+from jalign.core.errors import ConfigError
 from jalign.models.sharding import state_shardings, to_host
 from jalign.rl.agentic.agent import summary as agent_summary
 from jalign.rl.groups import Groups
@@ -159,6 +160,10 @@ class StepSampler:
       return Rollout(groups.stamped(r["version"]) if "version" in r else groups, r["batches"], r["seconds"])
     self.in_flight = {int(s): rollout(r) for s, r in obj.items()}
     self.finishing = {s for s, r in self.in_flight.items() if isinstance(r, Rollout)}
+    half = sorted(s for s, r in self.in_flight.items() if isinstance(r, Partial))
+    if half and not self.cfg.grpo.partial_rollouts:
+      raise ConfigError(f"config.grpo.partial_rollouts=False, but the checkpoint holds the half-sampled responses of "
+                        f"steps {half} (saved with partial_rollouts=True); resume with it, then change it")
 
 
 def rollout_metrics(rollout: Rollout, trained: Groups, waited: float, t0: float, t1: float, *,

@@ -112,3 +112,32 @@ def test_qwen3_30b_a3b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
   # Per token 6 x (3.353e9 active - 0.311e9 embedding) + 6 x 48 x 8192 x 32 x 128 (attention), 8192 tokens per
   # chip, at 459 TFLOP/s: about 0.5 s at the least.
   assert 0.45 < r["target"]["step_time_lower_bound_s"] < 0.55
+
+
+def test_a_step_the_tpu_compiler_refuses_is_reported_with_its_largest_allocations_and_advice():
+  """Dense (`xla`) attention over 16k tokens: its fp32 scores alone are over a v5e chip's 16 GiB, and the TPU
+  compiler refuses the program. The report carries the compiler's figures (the program's need, the chip's capacity)
+  and the advice to grow an axis, instead of an exception; the older error form with its list of allocations reads
+  the same."""
+  cfg = run_config("sft", mesh__shape=(1, 4, 1), model__attention="xla", train__seq_len=16384,
+                   data__max_length=16384)
+  r = fit.report(cfg, target=tpu_target.target("v5e-4"))
+  oom = r["out_of_memory"]
+  assert oom["message"].startswith("Ran out of memory on HBM, the total memory required for HLO temporaries")
+  # one row of 16k tokens per chip: the scores of a layer's heads alone, fp32, are heads x 1 GiB
+  assert oom["program"] > 16 * 2**30 and oom["capacity"] == int(15.75 * 2**30)
+  b = r["bytes_per_device"]
+  assert b["peak"] == b["params"] + b["optimizer_state"] + oom["program"]
+  text = fit.format_report(r)
+  assert "the TPU compiler ran out of memory" in text and "DOES NOT FIT in 16 GiB" in text
+  assert fit.advice(r, 16 * 2**30)["text"] in text
+
+  older = fit.out_of_memory(
+      "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 21.95G of "
+      "15.48G hbm. Exceeded hbm capacity by 6.47G.\n\nTotal hbm usage >= 22.47G:\n    reserved        530.00M\n"
+      "    program          21.95G\n    arguments            0B\n\n  Largest program allocations in hbm:\n\n"
+      "  1. Size: 2.00G\n     Operator: op_name=\"jit(step)/attn/dot_general\"\n     Shape: f32[32,4096,4096]\n"
+      "     Allocation type: HLO temp\n     ==========================\n")
+  assert older["program"] == int(21.95 * 2**30) and older["capacity"] == int(15.48 * 2**30)
+  assert older["largest"] == [(2 * 2**30, "f32[32,4096,4096]", "jit(step)/attn/dot_general")]
+  assert fit.out_of_memory("INTERNAL: something else") is None

@@ -114,6 +114,10 @@ def test_partial_rollouts_lag_per_token_within_the_bound_and_resume_bitwise(tmp_
   assert killed.returncode == -signal.SIGKILL
   host = tmp_path / "resumed" / "checkpoints" / "2" / "host"
   assert host.is_dir()
+  drained = [a for a in PARTIAL if "partial_rollouts" not in a] + ["--config.grpo.partial_rollouts=False"]
+  refused = run_faulty("grpo", tmp_path / "resumed", *drained, check=False)
+  assert refused.returncode != 0
+  assert "the checkpoint holds the half-sampled responses of steps [4]" in refused.stdout + refused.stderr
   run_faulty("grpo", tmp_path / "resumed", *PARTIAL)
   resumed = _steps(tmp_path / "resumed")
   for step in (3, 4, 5):
