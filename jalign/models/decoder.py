@@ -237,11 +237,12 @@ class Decoder(nnx.Module):
     cache_index = jnp.zeros((), jnp.int32) if cache is None else cache.index
     q_index = cache_index + jnp.arange(T) if cache_index.ndim == 0 else cache_index[:, None] + jnp.arange(T)
     zigzag = cache is None and layers is None and cfg.attention != "xla" and balanced_order(T)
+    shards = sequence_shards()
     if zigzag:  # every token carries its slot, position and segment along: attention reads them, not the order
       input_ids_BxT, positions_BxT, segment_ids_BxT, q_index = (
-          to_zigzag(a, sequence_shards()) for a in (input_ids_BxT, positions_BxT, segment_ids_BxT,
-                                                    jnp.broadcast_to(q_index, (B, T))))
-      route_ids = None if route_ids is None else to_zigzag(route_ids, sequence_shards(), axis=2)
+          to_zigzag(a, shards) for a in (input_ids_BxT, positions_BxT, segment_ids_BxT,
+                                         jnp.broadcast_to(q_index, (B, T))))
+      route_ids = None if route_ids is None else to_zigzag(route_ids, shards, axis=2)
 
     x = jnp.take(self.embed[...], input_ids_BxT, axis=0).astype(dt)
     if cfg.embed_scale:
@@ -302,9 +303,9 @@ class Decoder(nnx.Module):
     routings = [r for r in routings if r is not None]
     routing = jax.tree.map(lambda *a: jnp.concatenate(a), *routings) if routings else None
     if zigzag:  # back to the tokens' own order: the losses and the log-prob kernels read the sequence as given
-      x = shard_tokens(from_zigzag(x, sequence_shards()))
+      x = shard_tokens(from_zigzag(x, shards))
       if routing is not None:
-        routing = dataclasses.replace(routing, ids_BxTxK=from_zigzag(routing.ids_BxTxK, sequence_shards(), axis=2))
+        routing = dataclasses.replace(routing, ids_BxTxK=from_zigzag(routing.ids_BxTxK, shards, axis=2))
     return rms_norm(x, self.final_norm[...], cfg), None, routing
 
   def response_hidden(self, tokens_NxT, **kw) -> jax.Array:

@@ -60,14 +60,16 @@ class Groups:
     they carry their tokens' versions already (partial rollouts)."""
     if self.versions is not None:
       return self
-    real = np.arange(self.response.shape[1])[None, :] < np.asarray(self.lengths)[:, None]
-    return dataclasses.replace(self, versions=np.where(real, version, -1).astype(np.int32))
+    return dataclasses.replace(self, versions=np.where(self._real(), version, -1).astype(np.int32))
 
   def lags(self, trained_version: int) -> np.ndarray:
     """Each real response token's staleness: the updates between the policy that sampled it and
     `trained_version`, the policy the update starts from."""
-    real = np.arange(self.response.shape[1])[None, :] < np.asarray(self.lengths)[:, None]
-    return trained_version - self.versions[real]
+    return trained_version - self.versions[self._real()]
+
+  def _real(self) -> np.ndarray:
+    """[N, R] bool: the response tokens within each length."""
+    return np.arange(self.response.shape[1])[None, :] < np.asarray(self.lengths)[:, None]
 
   def informative(self) -> np.ndarray:
     """[B] bool: the group's rewards differ (else its advantages are all 0: no signal)."""
