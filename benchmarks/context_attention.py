@@ -31,7 +31,8 @@ def main():
   import numpy as np
 
   from jalign.kernels import attention
-  from jalign.kernels.context import context_attention, inverse, zigzag
+  from jalign.kernels.context import context_attention
+  from jalign.kernels.zigzag import inverse, zigzag
 
   t, shards = args.tokens, args.shards
   rng = np.random.default_rng(0)

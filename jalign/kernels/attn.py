@@ -17,7 +17,9 @@ impl:
 - `cudnn`: cuDNN's flash attention through `jax.nn.dot_product_attention` on GPU, in bf16 / fp16; causality and
   windows over slot indices (T == S), segments as a boolean mask (cuDNN adds it as a bias), no soft-cap, no sinks.
 - On a mesh with a `sequence` axis (context parallelism), self-attention (T == S) by every impl but `xla` runs
-  `kernels.context` (ring or all-gather attention over the sequence shards, `chunked` blocks on each device).
+  `kernels.context` (ring or all-gather attention over the sequence shards, `chunked` blocks on each device; splash
+  blocks inside the ring for `splash`, and `auto` on TPU, where `kernels.ring_splash` applies: causal, tokens in
+  `zigzag` order, no window or sinks).
 - `auto`: the best for the target (the platform of the mesh set by `jax.set_mesh`, else the default backend): on
   TPU `splash` and on GPU `cudnn` where they apply, else (and on CPU) `xla` while the score tensor is small (the
   short sequences of the tests and the demo task, where it is fastest), `chunked` from `AUTO_CHUNKED_FROM` keys on.
@@ -77,12 +79,14 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               q_positions: jax.Array | None = None, kv_positions: jax.Array | None = None, causal: bool = True,
               sliding_window=None, softcap: float | None = None, scale: float | None = None, impl: str = "auto",
-              blocks: tuple[int, int] | None = None, interpret: bool = False, sinks: jax.Array | None = None
-              ) -> jax.Array:
+              blocks: tuple[int, int] | None = None, interpret: bool = False, sinks: jax.Array | None = None,
+              zigzag: bool = False) -> jax.Array:
   """Attention output [B, T, N, H]. Segment ids default to one segment, positions to 0, 1, ...; `scale` to
   H ** -0.5. `sliding_window`: an int, a traced int scalar, or None (0 = unlimited too). `blocks`: `chunked`'s
   (query, key) block sizes; None = `BLOCKS`. `interpret`: run `splash` in Pallas' interpret mode (any backend;
-  slow: a correctness check). `sinks`: [N] logits (see the module doc)."""
+  slow: a correctness check). `sinks`: [N] logits (see the module doc). `zigzag`: the tokens lie in
+  `kernels.zigzag` order over the mesh's sequence shards, each with its slot as its position (the decoder's
+  layout there), so splash's static masks can run inside the ring."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl {impl!r}; available: {', '.join(IMPLS)}")
   B, T, N, H = q_BxTxNxH.shape
@@ -100,7 +104,8 @@ def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, 
   if impl != "xla" and T == S and sequence_shards() > 1:
     return context_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg, kv_seg, q_pos, kv_pos, causal=causal,
                              sliding_window=sliding_window, softcap=softcap, scale=scale, sinks=sinks,
-                             blocks=blocks or BLOCKS)
+                             blocks=blocks or BLOCKS, zigzag=zigzag, interpret=interpret,
+                             splash=impl == "splash" or (impl == "auto" and target_platform() == "tpu"))
   if impl == "auto":
     platform = target_platform()
     if platform == "tpu" and T == S and static_window(sliding_window) and sinks is None:

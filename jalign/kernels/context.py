@@ -14,9 +14,9 @@ Two forms, both exact (the same online softmax as `chunked`, whose block kernels
 
 Masks are the shared ones (segments, causality by position, windows, soft-caps, sinks), read from each token's
 segment id and position, so the kernels do not care how tokens are laid out over the shards. With causal attention
-a contiguous split leaves the first shards idle for most of the ring; `zigzag` orders tokens so that shard d holds
-chunks d and 2P - 1 - d of 2P, and every shard does the same work (Brandon et al. 2023, "Striped Attention" and the
-zig-zag layout of Llama 3 and Megatron's context parallelism).
+a contiguous split leaves the first shards idle for most of the ring; `kernels.zigzag` orders tokens so that every
+shard does the same work. On a TPU, splash's kernels take the blocks' place where their static masks apply
+(`kernels.ring_splash`).
 
 Rows are split over the data-parallel axes and heads over `tensor` where they divide, as the other kernels.
 """
@@ -27,11 +27,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jalign.kernels import flash
-from jalign.kernels.target import SEQUENCE_AXIS, row_axes, sequence_shards
+from jalign.kernels import flash, ring_splash
+from jalign.kernels.target import (
+  SEQUENCE_AXIS,
+  row_axes,
+  sequence_shards,
+  static_window,
+)
 
 AXIS = SEQUENCE_AXIS
 FORMS = ("ring", "gather", "auto")
@@ -48,46 +52,6 @@ def shard_tokens(x_BxTx):
   return jax.lax.with_sharding_constraint(x_BxTx, spec)
 
 
-def zigzag(length: int, shards: int) -> np.ndarray:
-  """Token order [length] for `shards` sequence shards: shard d takes chunks d and 2 * shards - 1 - d of 2 * shards
-  equal chunks (so each holds as many early as late tokens). `x[:, order]` lays a sequence out; `inverse` undoes it."""
-  if length % (2 * shards):
-    raise ValueError(f"zigzag: the sequence length ({length}) must be a multiple of twice the shards ({shards})")
-  chunks = np.arange(length).reshape(2 * shards, -1)
-  return np.concatenate([np.concatenate([chunks[d], chunks[2 * shards - 1 - d]]) for d in range(shards)])
-
-
-def inverse(order: np.ndarray) -> np.ndarray:
-  return np.argsort(order)
-
-
-def balanced_order(length: int) -> bool:
-  """Whether a model's tokens go over the current mesh's sequence shards in `zigzag` order: there are shards and
-  the length splits into twice as many equal chunks (else the contiguous split, correct but unbalanced)."""
-  shards = sequence_shards()
-  return shards > 1 and length % (2 * shards) == 0
-
-
-def to_zigzag(x, shards: int, axis: int = 1):
-  """`x` with its `axis` (tokens) in `zigzag(T, shards)` order, by slices, a reversal and a reshape (collective
-  permutes over a sharded axis, not a gather of the whole sequence): [.., 2P chunks, ..] -> shard d's chunks d and
-  2P - 1 - d side by side."""
-  x = jnp.moveaxis(x, axis, 0)
-  t = x.shape[0]
-  chunks = x.reshape(2 * shards, t // (2 * shards), *x.shape[1:])
-  pairs = jnp.stack([chunks[:shards], chunks[shards:][::-1]], axis=1)  # [P, 2, c, ...]
-  return jnp.moveaxis(pairs.reshape(x.shape), 0, axis)
-
-
-def from_zigzag(x, shards: int, axis: int = 1):
-  """`to_zigzag` undone."""
-  x = jnp.moveaxis(x, axis, 0)
-  t = x.shape[0]
-  pairs = x.reshape(shards, 2, t // (2 * shards), *x.shape[1:])
-  chunks = jnp.concatenate([pairs[:, 0], pairs[::-1, 1]])
-  return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
-
-
 def pick_form(form: str, shards: int, q_heads: int, kv_heads: int) -> str:
   if form not in FORMS:
     raise ValueError(f"context attention form {form!r}; available: {', '.join(FORMS)}")
@@ -98,10 +62,14 @@ def pick_form(form: str, shards: int, q_heads: int, kv_heads: int) -> str:
 
 def context_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_seg_BxT, kv_seg_BxT, q_pos_BxT, kv_pos_BxT, *, causal=True,
                       sliding_window=None, softcap: float | None = None, scale: float, sinks=None,
-                      form: str = "auto", axis: str = AXIS, blocks: tuple[int, int] = (256, 256)):
+                      form: str = "auto", axis: str = AXIS, blocks: tuple[int, int] = (256, 256),
+                      splash: bool = False, zigzag: bool = False, interpret: bool = False):
   """Self-attention [B, T, N, H] with the sequence split over the mesh axis `axis` of the current mesh
   (`jax.set_mesh`). T need not divide evenly: the tail is padded (segment 0) and cut off again. Positions and
-  segment ids are those of each token wherever it sits (see `zigzag`). `sinks`: [N] logits."""
+  segment ids are those of each token wherever it sits (see `kernels.zigzag`). `sinks`: [N] logits. `splash`: run
+  splash's kernels on a TPU target (or in `interpret` mode) where `kernels.ring_splash` applies: causal, no window
+  or sinks, tokens in zig-zag order (`zigzag=True`: slots as positions) in chunks of a multiple of 128; elsewhere
+  `chunked` blocks."""
   mesh = jax.sharding.get_abstract_mesh()
   shards = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
   B, T, N, H = q_BxTxNxH.shape
@@ -125,6 +93,11 @@ def context_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_seg_BxT, kv_seg_BxT, q_
     return out[:, :T]
   t = dict(mesh.shape).get("tensor", 1)
   head = "tensor" if t > 1 and N % t == 0 and K % t == 0 else None
+  block = ring_splash.chunk_block(T // (2 * shards))
+  if (splash and (interpret or mesh.abstract_device.platform == "tpu") and zigzag and causal and not has_sinks
+          and static_window(sliding_window) and not sliding_window and T % (2 * shards) == 0 and block):
+    static = ring_splash.Static(axis, shards, form, softcap, float(scale), block, interpret, row_axes(B), head)
+    return ring_splash.ring_splash(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_seg_BxT, kv_seg_BxT, static)
   static = _Static(axis, shards, form, causal, softcap, float(scale), bq, bk, has_sinks, row_axes(B), head)
   return _attend(*args, window, sinks_N, static)[:, :T]
 

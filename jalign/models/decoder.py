@@ -19,8 +19,9 @@ from flax import nnx
 from jalign import kernels
 from jalign.kernels.attn import AUTO_CHUNKED_FROM, gqa_attention
 from jalign.kernels.attn import attention_mask as _attention_mask
-from jalign.kernels.context import balanced_order, from_zigzag, shard_tokens, to_zigzag
+from jalign.kernels.context import shard_tokens
 from jalign.kernels.target import sequence_shards
+from jalign.kernels.zigzag import balanced_order, from_zigzag, to_zigzag
 from jalign.models import lora as lora_lib
 from jalign.models import moe as moe_block
 from jalign.models.attention import apply_rope, positions_from_mask
@@ -63,7 +64,7 @@ def _write(buffer, update, index, axis: int):
 
 def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, inv_freq_H2, positions_BxT,
                   q_segment_BxT, q_index, kv: tuple | None, cache_index, dropout_key=None, route_ids_BxTxK=None, *,
-                  lora: lora_lib.LoraConfig | None = None, replay: bool = True):
+                  lora: lora_lib.LoraConfig | None = None, replay: bool = True, zigzag: bool = False):
   """One pre-norm block. `kv` = this layer's (k_BxSxKxH, v_BxSxKxH, segment_BxS) cache, or None: without one
   the layer runs `kernels.attention` (`cfg.attention`), with one the dense form over the cache's slots (`chunked` for
   a prefill into a cache of `AUTO_CHUNKED_FROM` slots or more, unless `cfg.attention` is `xla`; one query over a
@@ -71,7 +72,8 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   slot indices (`q_index`: [T], or [B, T] with a per-row cache index) for causality and windows, as transformers
   does. `lora`: the adapters' settings when `lp` holds adapters; `dropout_key` turns on their dropout (training
   only). MoE: `route_ids_BxTxK` (-1 = none) are choices recorded elsewhere, compared with the router's own and,
-  with `replay`, used instead of them (`models.moe.experts`). Returns the new x, the
+  with `replay`, used instead of them (`models.moe.experts`). `zigzag`: the tokens lie in zig-zag order over the
+  mesh's sequence shards (`kernels.attention`). Returns the new x, the
   layer's updated (keys, values) or None, and its `Routing` (None for a dense model)."""
   dt = x_BxTxD.dtype
   w = lambda name: lp[name].astype(dt)
@@ -96,7 +98,8 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     new_kv = None
     attn = kernels.attention(q, k, v, q_segment_ids=q_segment_BxT, kv_segment_ids=q_segment_BxT,
                              q_positions=q_slot_BxT, kv_positions=q_slot_BxT, sliding_window=window,
-                             softcap=cfg.attn_softcap, scale=cfg.scale, impl=cfg.attention, sinks=sinks)
+                             softcap=cfg.attn_softcap, scale=cfg.scale, impl=cfg.attention, sinks=sinks,
+                             zigzag=zigzag)
   else:
     cache_k, cache_v, k_segment = kv  # [B, K, S, H]
     heads_first = lambda a, c: jnp.swapaxes(a, 1, 2).astype(c.dtype)  # noqa: E731  [B, T, K, H] -> [B, K, T, H]
@@ -276,7 +279,7 @@ class Decoder(nnx.Module):
       keys_L = jax.random.split(dropout_rng, cfg.num_layers)
     # One window for every layer (all but Gemma 2/3) stays a Python int: kernels may build their masks from it.
     static_window = int(windows_L[0]) if len(set(windows_L.tolist())) == 1 else None
-    layer = _remat(functools.partial(decoder_layer, lora=lora, replay=replay), cfg.remat,
+    layer = _remat(functools.partial(decoder_layer, lora=lora, replay=replay, zigzag=zigzag), cfg.remat,
                    (0,) if static_window is None else (0, 3))
 
     def body(x, xs):

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jalign import models
-from jalign.kernels.context import balanced_order, to_zigzag
+from jalign.kernels.zigzag import balanced_order, to_zigzag
 from jalign.tasks import dpo as dpo_task
 from tests import hf_reference as ref
 from tests.configs_util import ROOT, run_config
