@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.long  # CI time: the kernels it times: tests/kernels
 def test_device_check_smoke(tmp_path):
   out = tmp_path / "figures.json"
   env = {**os.environ, "PYTHON": sys.executable}

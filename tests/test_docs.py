@@ -59,13 +59,24 @@ def test_every_task_page_has_a_smoke_command():
                    "scale-out.md", "reliability.md", "distill.md"}, pages
 
 
-# The commands whose run another test of the default run makes (tests/train/test_pipeline.py, tests/rl/test_traces.py)
-# run in the long tier (CI time).
-_COVERED = ("configs/pipeline.py:tiny", "configs/agent.py:tiny")
+# The commands whose run (the same config to its end) another test of the default run makes run in the long tier
+# (CI time): command -> that test.
+_COVERED = {
+    "--config=configs/pipeline.py:tiny": "tests/train/test_pipeline.py",
+    "--config=configs/agent.py:tiny": "tests/rl/test_traces.py",
+    "--config=configs/grpo.py:tiny": "tests/rl/test_grpo.py::test_tiny_grpo_runs_and_reports (the command line)",
+    "--config=configs/ppo.py:tiny": "tests/rl/test_ppo.py::test_tiny_ppo_runs_and_resumes_the_critic_and_kl_"
+                                    "coefficient_exactly (the command line)",
+    "--config=configs/sft.py:tiny": "tests/train/test_first_hour.py::test_ctrl_c_saves_exits_130_and_the_rerun_"
+                                    "equals_an_uninterrupted_run (the command line)",
+    "--config=configs/rm.py:tiny": "tests/train/test_preference_tasks.py (the task's run)",
+    "--config=configs/dpo.py:tiny": "tests/train/test_preference_tasks.py (the task's run)",
+    "--config=configs/distill.py:tiny": "tests/train/test_distill.py (the task's run)",
+}
 
 
 @pytest.mark.parametrize("page,command,fails", [
-    pytest.param(p, c, f, marks=pytest.mark.long) if any(x in " ".join(c) for x in _COVERED) else (p, c, f)
+    pytest.param(p, c, f, marks=pytest.mark.long) if " ".join(c[3:]) in _COVERED else (p, c, f)
     for p, c, f in SMOKE], ids=[f"{p}:{' '.join(c[3:4])}" for p, c, _ in SMOKE])
 def test_docs_command_runs(tmp_path, page, command, fails):
   """Each documented command runs as written at smoke size (one CPU device, the run directory in tmp_path); one

@@ -223,6 +223,7 @@ def _fake_cloud(tmp_path):
   return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_TPU": str(fake)}, fake
 
 
+@pytest.mark.long  # CI time: the scripts' commands: the dry runs here; bitwise resume: tests/train/test_crash_safety_*
 def test_supervise_recreates_a_preempted_slice_and_the_run_resumes_bitwise(tmp_path):
   """End to end on a fake cloud: supervise.sh creates the slice, sets it up from this checkout's committed tree and
   launches SFT. Mid-run the slice is preempted as GCE does it (SIGTERM to every process, then the VM is gone):

@@ -31,6 +31,7 @@ def test_gguf_import_equals_transformers_conversion(smollm2_hf):  # noqa: F811
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(where))
 
 
+@pytest.mark.long  # CI time: the same file loaded: test_gguf_import_equals_transformers_conversion
 def test_smollm2_greedy_equals_generate_on_gsm8k_prompts(smollm2_hf):  # noqa: F811
   path, model = smollm2_hf
   tok = tokenizer.load(path)

@@ -86,7 +86,9 @@ def test_gpt_oss_mxfp4_experts_dequantise_on_load(tmp_path):
                              model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 2, 2), (2, 1, 1, 3), (1, 1, 1, 6)])
+# CI time: an expert axis alone (1, 1, 1, 6) in the long tier; (2, 1, 1, 3) splits the experts too
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 2, 2), (2, 1, 1, 3),
+                                   pytest.param((1, 1, 1, 6), marks=pytest.mark.long)])
 def test_an_moe_model_on_a_mesh_equals_one_device_value_and_gradient(shape, tmp_path):
   """fsdp over the model dimension, tensor over each expert's hidden dimension (and heads / shared MLP), expert over
   the 6 experts (expert parallelism: token copies exchanged by all-to-all; with 6 the batch's rows do not split over
@@ -210,7 +212,8 @@ def test_router_terms_equal_transformers_load_balancing_loss_with_padding(family
   assert router.coefficients(cfg, router.RouterLoss(None, rl=True)) == (0.0, 0.0)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_dense_layers", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("qwen3_moe_dense_layers", marks=pytest.mark.long),
+                                    "gpt_oss"])  # CI time: dense layers next to sparse ones: test_dense_and_sparse_*
 def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_they_agree(family, tmp_path):
   """Replaying a forward's own choices gives the same hidden states (mismatch exactly 0); replaying another
   model's choices routes every token by them (the layer reports them as used, the mismatch counts the differences)

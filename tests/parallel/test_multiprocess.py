@@ -92,6 +92,7 @@ def _same_weights(a, b, atol=1e-6, outliers=0.0, outlier_atol=0.0):
     np.testing.assert_allclose(wb[name], wa[name], atol=max(atol, outlier_atol), err_msg=name)
 
 
+@pytest.mark.long  # CI time: two processes = one: the DPO case below; another layout: tests/train/test_resume.py
 def test_sft_two_processes_equal_one_and_checkpoints_cross_layouts(tmp_path):
   steps = dict(train__steps=4, train__log_every=1, checkpoint__every=2)
   one, two_then_one, one_then_two = (str(tmp_path / n) for n in ("one", "two_then_one", "one_then_two"))

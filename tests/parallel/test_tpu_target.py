@@ -85,6 +85,7 @@ def _fit_sft_at_8k_on_v5p_8(tmp_path, arch: str):
   return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.long  # CI time: the fit command and its compiled step: tests/test_fit.py and the tiny steps here
 def test_llama3_8b_sft_at_8k_tokens_fits_a_v5p_8(tmp_path):
   """The command of jalign/fit.py's doc: a Llama-3-8B SFT step, one 8192-token sequence per chip, bf16,
   full remat, compiled for TPU v5p (4 chips, FSDP over them) with splash attention and the Pallas log-prob kernel

@@ -141,6 +141,7 @@ def test_compacted_update_equals_the_masked_one(tmp_path):
     np.testing.assert_allclose(compact[name], masked[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.long  # CI time: a forward dropped where unread: test_on_policy_update_skips_the_old_policy_forward
 def test_without_a_kl_term_the_reference_runs_only_where_the_kl_is_reported(tmp_path):
   """kl.coef=0 drops the reference forward from the steps that log nothing (here step 1 of 3, logging every 2nd):
   the run ends at the weights of one that computes it on every step (a KL bound forces that) and reports the same
@@ -161,6 +162,7 @@ def test_without_a_kl_term_the_reference_runs_only_where_the_kl_is_reported(tmp_
     np.testing.assert_allclose(reported[name], every[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+@pytest.mark.long  # CI time: the normaliser against its formula: tests/losses/test_rl_losses.py
 def test_mini_batch_normaliser_is_the_mini_batch(tmp_path):
   """seq-mean-token-sum-norm divides each update's token sums by the mini-batch's rows x the response length (Dr.
   GRPO as verl and TRL now): with a negligible learning rate (the samples and on-policy ratios stay those of the
@@ -351,6 +353,7 @@ def test_rollout_corrections_equal_numpy(is_level, rs_level):
                                rtol=1e-5)
 
 
+@pytest.mark.long  # CI time: the KL bound's alarm: tests/eval/test_report.py
 def test_kl_bound_can_lower_the_learning_rate_instead_of_stopping(tmp_path):
   out = _run(tmp_path / "r", "--config.kl.max=1e-9", "--config.kl.max_action=lower_lr",
              "--config.grpo.entropy_floor=10.0")
@@ -449,7 +452,9 @@ def test_a_reward_without_signal_is_reported_not_trained_on(tmp_path, capsys, mo
     assert "update skipped" not in out and "actor/pg_loss" in final
 
 
-@pytest.mark.parametrize("mode", ["cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl"])
+# CI time: one mode trains in the default run; each mode's loss against its formula: tests/losses/test_policy_modes.py
+@pytest.mark.parametrize("mode", ["cispo", *(pytest.param(m, marks=pytest.mark.long)
+                                             for m in ("sapo", "geo_mean", "dppo_tv", "dppo_kl"))])
 def test_policy_loss_modes_train(tmp_path, mode):
   """Each of the 2025-26 policy losses (tests/losses/test_policy_modes.py checks their formulas) drives a real
   update: finite loss, a non-zero gradient, two mini-batches of one step."""

@@ -116,6 +116,7 @@ def test_replay_needs_experts(tmp_path):
     grpo_task.run(run_config("grpo", run_dir=str(tmp_path / "a"), grpo__routing_replay=True, **QUIET))
 
 
+@pytest.mark.long  # CI time: recorded experts in a run: test_online_grpo_replays_the_samplers_experts
 def test_multi_turn_episodes_record_each_tokens_experts(moe_policy):
   """Three turns with the environment's ids between them: each call re-reads the conversation, and every token of
   the episode keeps the experts of the last call that read it (the prefill for earlier turns and observations, the
@@ -165,6 +166,7 @@ def test_grpo_on_episodes_replays_the_samplers_experts(moe_policy, tmp_path):
     assert r["rollout/routing_mismatch"] == 0.0 and r["rollout/logprob_abs_diff_max"] < 1e-4, r
 
 
+@pytest.mark.long  # CI time: recorded experts in a run: test_online_grpo_replays_the_samplers_experts
 def test_regrouped_batches_keep_each_tokens_experts(moe_policy):
   """Groups of two sampling batches with different prompt widths (dynamic sampling's refill), selected and laid out
   as one update batch: every recorded token's experts are still the ones a forward over its row picks (fp32), and

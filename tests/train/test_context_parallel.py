@@ -24,6 +24,7 @@ def _metrics(run_dir, key):
   return [m[key] for m in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if key in m]
 
 
+@pytest.mark.long  # CI time: a step over a sequence axis = one device: tests/train/test_step.py; the model: below
 def test_dpo_with_the_sequence_split_equals_one_device(tmp_path):
   """Three DPO steps (policy and reference passes both sequence-sharded) on one device, and on 2 data x 4 sequence
   shards: the same losses and gradient norms (fp32: the shards sum in another order)."""
