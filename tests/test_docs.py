@@ -63,7 +63,7 @@ def test_every_task_page_has_a_smoke_command():
 # (CI time): command -> that test.
 _COVERED = {
     "--config=configs/pipeline.py:tiny": "tests/train/test_pipeline.py",
-    "--config=configs/agent.py:tiny": "tests/rl/test_traces.py",
+    "--config=configs/agent.py:tiny": "tests/rl/test_traces.py (long tier too; the episodes: tests/rl/test_agent.py)",
     "--config=configs/grpo.py:tiny": "tests/rl/test_grpo.py::test_tiny_grpo_runs_and_reports (the command line)",
     "--config=configs/ppo.py:tiny": "tests/rl/test_ppo.py::test_tiny_ppo_runs_and_resumes_the_critic_and_kl_"
                                     "coefficient_exactly (the command line)",

@@ -81,6 +81,7 @@ def test_mul_task_is_held_out_and_beyond_the_tiny_policy():
   assert all(len(r["answer"]) >= 7 and int(r["answer"]) == eval(r["expression"]) for r in test)  # noqa: S307
 
 
+@pytest.mark.long  # CI time: GRPO on calculator episodes: tests/rl/test_agent.py::test_grpo_trains_on_episodes
 def test_agent_demo_tiny_runs_and_logs_the_agent_metrics(tmp_path):
   """configs/agent.py:tiny: SFT on the traces, then GRPO on calculator episodes; the agent metrics every step and
   the held-out accuracy with and without tools, before and after GRPO."""
