@@ -44,3 +44,30 @@ def test_smollm2_logits_at_1k_tokens_match_transformers(smollm2_hf, impl):  # no
   scale = np.abs(want[mask.astype(bool)]).max()
   # Measured: 1.45e-4 on logits of scale 44.4, with either impl (auto takes chunked at 1024 keys).
   assert ref.max_diff(got, want, mask) <= 2e-5 * scale, (ref.max_diff(got, want, mask), scale)
+
+
+@pytest.mark.long  # CI time: the zig-zag path on tiny models: tests/train/test_context_parallel.py
+def test_smollm2_over_four_sequence_shards_matches_transformers(smollm2_hf):  # noqa: F811
+  """The same conversations with the tokens over a `sequence` axis of 4 (rows over 2 data shards): zig-zag order in
+  the decoder, ring attention between the shards; the logits in the tokens' own order match transformers as closely
+  as one device's do."""
+  import jax
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from jalign.kernels.zigzag import balanced_order
+  path, model = smollm2_hf
+  tok = tokenizer.load(path)
+  ids, mask = _long_conversations(tok, rows=2, tokens=1024)
+  lm = models.from_pretrained(path, dtype="float32", attention="chunked")
+  mesh = models.make_mesh((2, 1, 1, 1, 4))
+  with jax.set_mesh(mesh):
+    assert balanced_order(1024)  # the decoder lays the tokens out in zig-zag order
+    graphdef, params = nnx.split(lm)
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    forward = jax.jit(lambda p, i, m: nnx.merge(graphdef, p)(i, m))
+    got = np.asarray(forward(params, jnp.asarray(ids), jnp.asarray(mask)))
+  with torch.no_grad():
+    want = ref.hf_logits(model, ids, mask)
+  scale = np.abs(want[mask.astype(bool)]).max()
+  assert ref.max_diff(got, want, mask) <= 2e-5 * scale, (ref.max_diff(got, want, mask), scale)
