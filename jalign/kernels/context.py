@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jalign.kernels import flash, ring_splash
 from jalign.kernels.target import (
   SEQUENCE_AXIS,
+  ring_hop,
   row_axes,
   sequence_shards,
   static_window,
@@ -132,7 +133,7 @@ def _local_forward(q, k, v, qs, ks, qp, kp, window, sinks_N, static):
   if static.form == "gather":
     gather = lambda a: jax.lax.all_gather(a, static.axis, axis=1, tiled=True)  # noqa: E731
     return run(q, gather(k), gather(v), qs, gather(ks), qp, gather(kp), window, sinks_KxG=sinks)
-  hop = _hop(static)
+  hop = ring_hop(static.axis, static.shards)
 
   def step(_, c):
     carry, visiting = c
@@ -157,7 +158,7 @@ def _local_backward(q, k, v, qs, ks, qp, kp, window, sinks_N, out, lse, d_out, s
     scatter = lambda a: jax.lax.psum_scatter(a, static.axis, scatter_dimension=1, tiled=True)  # noqa: E731
     dk, dv = scatter(dk), scatter(dv)
   else:
-    hop = _hop(static)
+    hop = ring_hop(static.axis, static.shards)
 
     def step(_, c):
       dq, visiting, dkv = c
@@ -177,12 +178,6 @@ def _local_backward(q, k, v, qs, ks, qp, kp, window, sinks_N, out, lse, d_out, s
     d_sinks = flash.sinks_grad(sinks_N.reshape(k.shape[2], -1), out, lse, d_out, static.bq).reshape(-1)
     d_sinks = jax.lax.psum(d_sinks, (*(static.batch or ()), static.axis))  # every axis that splits queries
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
-
-
-def _hop(static):
-  """Send to the next device round the ring (device d receives from d - 1)."""
-  ring = [(d, (d + 1) % static.shards) for d in range(static.shards)]
-  return lambda tree: jax.tree.map(lambda a: jax.lax.ppermute(a, static.axis, ring), tree)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))

@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jalign.kernels.splash import PAD_SEGMENT
+from jalign.kernels.target import ring_hop
 from jalign.kernels.zigzag import from_zigzag, to_zigzag
 
 LANES = 128          # splash's blocks are multiples of 128 tokens
-_PAD_SEGMENT = -1    # padding's own segment id, as `kernels.splash`
 
 
 def chunk_block(chunk: int) -> int | None:
@@ -63,7 +64,7 @@ class Static:
 def ring_splash(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, q_seg_BxT, kv_seg_BxT, static: Static):
   """Causal self-attention [B, T, N, H] over tokens in `zigzag(T, static.shards)` order split over `static.axis`;
   T / (2 P) a multiple of `static.block`."""
-  seg = lambda s: jnp.where(s == 0, _PAD_SEGMENT, s).astype(jnp.int32)  # noqa: E731
+  seg = lambda s: jnp.where(s == 0, PAD_SEGMENT, s).astype(jnp.int32)  # noqa: E731
   return _attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg(q_seg_BxT), seg(kv_seg_BxT), static)
 
 
@@ -130,12 +131,6 @@ def _backward(kernel, q, k, v, qs, ks, out, lse, d_out):
   return jax.vmap(one)(q, k, v, qs, ks, out.astype(q.dtype), lse, d_out.astype(q.dtype))
 
 
-def _hop(static):
-  """Send to the next device round the ring (device d receives from d - 1), as `kernels.context`."""
-  ring = [(d, (d + 1) % static.shards) for d in range(static.shards)]
-  return lambda tree: jax.tree.map(lambda a: jax.lax.ppermute(a, static.axis, ring), tree)
-
-
 def _visit(earlier_fn, later_fn, d, step, static):
   """Whether shard j = d - step (mod P), whose keys device d holds after `step` hops, precedes d."""
   j = (d - step) % static.shards
@@ -147,7 +142,7 @@ def _local_forward(q, k, v, qs, ks, static):
   own, earlier, later = _kernels(q.shape[1], q.shape[2] // 2, static)
   c = q.shape[2] // 2
   d = jax.lax.axis_index(static.axis)
-  hop = _hop(static)
+  hop = ring_hop(static.axis, static.shards)
 
   def join(s, out, lse, visiting):
     k, v, ks = visiting
@@ -221,7 +216,7 @@ def _local_backward(q, k, v, qs, ks, out, lse, d_out, static):
   own, earlier, later = _kernels(q.shape[1], q.shape[2] // 2, static)
   c = q.shape[2] // 2
   d = jax.lax.axis_index(static.axis)
-  hop = _hop(static)
+  hop = ring_hop(static.axis, static.shards)
   f32 = lambda *a: tuple(x.astype(jnp.float32) for x in a)  # noqa: E731
 
   def grads(s, visiting):

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jalign.kernels.target import row_axes, static_window
 
 BLOCK = 512       # query / key block of the forward and both backward kernels (at most; multiples of 128)
-_PAD_SEGMENT = -1  # padding's own segment id
+PAD_SEGMENT = -1  # padding's own segment id
 
 
 def _mask(t: int, causal: bool, window: int | None, heads: int):
@@ -60,8 +60,8 @@ def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxT, kv_seg_BxS, *, 
                      "impl='chunked')")
   block = min(block, -(-T // 128) * 128)
   pad = -T % block
-  seg = lambda s: jnp.pad(jnp.where(s == 0, _PAD_SEGMENT, s), [(0, 0), (0, pad)],  # noqa: E731
-                          constant_values=_PAD_SEGMENT)
+  seg = lambda s: jnp.pad(jnp.where(s == 0, PAD_SEGMENT, s), [(0, 0), (0, pad)],  # noqa: E731
+                          constant_values=PAD_SEGMENT)
   tokens = lambda a: jnp.pad(a, [(0, 0), (0, pad), (0, 0), (0, 0)])  # noqa: E731
   q = (q_BxTxNxH * jnp.asarray(scale, q_BxTxNxH.dtype))
   local = lambda *a: _local(*a, causal=causal, window=int(window or 0) or None, softcap=softcap,  # noqa: E731

@@ -28,6 +28,12 @@ def sequence_shards() -> int:
   return 1 if mesh.empty else dict(mesh.shape).get(SEQUENCE_AXIS, 1)
 
 
+def ring_hop(axis: str, shards: int):
+  """A function sending a pytree to the next device round the ring of `axis` (device d receives from d - 1)."""
+  ring = [(d, (d + 1) % shards) for d in range(shards)]
+  return lambda tree: jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), tree)
+
+
 def static_window(window) -> bool:
   """Whether a sliding window is known when tracing (None or a Python / NumPy int): kernels that build their masks
   ahead of time (splash, cuDNN) need that; per-layer windows scanned with the weights are traced."""
