@@ -132,15 +132,16 @@ def _backward(kernel, q, k, v, qs, ks, out, lse, d_out):
 
 
 def _visit(earlier_fn, later_fn, d, step, static):
-  """Whether shard j = d - step (mod P), whose keys device d holds after `step` hops, precedes d."""
+  """`earlier_fn()` where shard j = d - step (mod P), whose keys device d holds after `step` hops, precedes d, else
+  `later_fn()`."""
   j = (d - step) % static.shards
   return jax.lax.cond(j < d, earlier_fn, later_fn)
 
 
 def _local_forward(q, k, v, qs, ks, static):
   """One device (tokens as [B, N, 2c, H]): the output and logsumexp of its queries over every shard's keys."""
-  own, earlier, later = _kernels(q.shape[1], q.shape[2] // 2, static)
   c = q.shape[2] // 2
+  own, earlier, later = _kernels(q.shape[1], c, static)
   d = jax.lax.axis_index(static.axis)
   hop = ring_hop(static.axis, static.shards)
 
@@ -213,8 +214,8 @@ def _gather_backward(q, k, v, qs, ks, out, lse, d_out, static):
 
 def _local_backward(q, k, v, qs, ks, out, lse, d_out, static):
   """One device: dq of its queries, dk and dv of its own keys (summed over every shard's queries)."""
-  own, earlier, later = _kernels(q.shape[1], q.shape[2] // 2, static)
   c = q.shape[2] // 2
+  own, earlier, later = _kernels(q.shape[1], c, static)
   d = jax.lax.axis_index(static.axis)
   hop = ring_hop(static.axis, static.shards)
   f32 = lambda *a: tuple(x.astype(jnp.float32) for x in a)  # noqa: E731
