@@ -50,8 +50,25 @@ FAMILIES = {
         head_dim=16, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24, sliding_window=4,
         swiglu_limit=0.05, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
                                                 beta_slow=1.0, truncate=False, original_max_position_embeddings=16))),
+    # DeepSeek-V3: multi-head latent attention (a query bottleneck, interleaved RoPE, YaRN with DeepSeek's mscale,
+    # values narrower than keys), sigmoid routing over 4 groups of 2 (2 kept) with a correction bias, scaled gates,
+    # 2 shared experts, the first layer dense.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=2,
+        moe_intermediate_size=12, first_k_dense_replace=1, routed_scaling_factor=2.5, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=32,
+                             mscale=2.0, mscale_all_dim=3.0, beta_fast=8.0, beta_slow=1.0))),
+    # ... and its other layouts: one query projection, RoPE over halves, one group, gates not renormalised, values
+    # wider than keys, every layer sparse.
+    "deepseek_v3_q_proj": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=20, n_routed_experts=6, n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=12, first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=1.5,
+        rope_interleave=False)),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_dense_layers", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_dense_layers", "gpt_oss", "deepseek_v3",
+                "deepseek_v3_q_proj")
 
 
 def build(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -62,6 +79,11 @@ def build(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedMod
   with torch.no_grad():
     for name, p in model.named_parameters():
       p.normal_(0.0, 0.1 if "norm" in name or "bias" in name else 1.0 if "sinks" in name else 0.15)
+      if "a_layernorm" in name:  # MLA's latent norms near 1, so its queries and keys are not near 0
+        p.normal_(1.0, 0.1)
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias: a buffer, zero at init
+        b.normal_(0.0, 0.1)
   return model
 
 

@@ -86,23 +86,47 @@ def _blocked(x_MxK, w_GxKxN, sizes_G, block: int):
   return jnp.where(real_M[:, None], y_MxN, 0).astype(x_MxK.dtype)
 
 
-def route(logits_TxE: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:
-  """Softmax routing as Qwen2/3-MoE and Mixtral define it (transformers 5 `*TopKRouter`): probabilities in fp32
-  over all experts, the k largest kept, renormalised to sum to 1 when `normalize` (Mixtral always; Qwen by
-  `norm_topk_prob`). Returns (weights [T, k] fp32, expert ids [T, k] int32), largest first."""
-  probs = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
-  weights, ids = jax.lax.top_k(probs, k)
-  if normalize:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, ids.astype(jnp.int32)
+def route(logits_TxE: jax.Array, k: int, *, normalize: bool, score: str = "softmax", bias_E: jax.Array | None = None,
+          groups: int = 1, groups_kept: int = 1, factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Top-k routing. Returns (gate weights [T, k] fp32, expert ids [T, k] int32).
+
+  `score` "softmax": probabilities over all experts, the k largest kept (Qwen2/3-MoE, Mixtral, transformers 5
+  `*TopKRouter`). "sigmoid" (DeepSeek-V3, arXiv:2412.19437 eqs. 13-16; transformers `DeepseekV3TopkRouter`): each
+  expert's sigmoid score; experts are chosen by score + `bias_E` (auxiliary-loss-free balancing: the bias steers
+  the choice only, never the weights, and gets no gradient), among the `groups_kept` of `groups` equal groups whose
+  two best biased scores sum highest. Gates are the scores at the chosen experts, renormalised to sum to 1 when
+  `normalize`, times `factor` (`routed_scaling_factor`)."""
+  logits = logits_TxE.astype(jnp.float32)
+  if score == "softmax":
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+  else:
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + jax.lax.stop_gradient(bias_E.astype(jnp.float32)) if bias_E is not None else scores
+    if groups > 1:
+      T, E = choice.shape
+      by_group = choice.reshape(T, groups, E // groups)
+      group_score = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [T, groups]
+      _, kept = jax.lax.top_k(group_score, groups_kept)
+      in_kept = jnp.any(jnp.arange(groups)[None, :, None] == kept[:, None, :], axis=-1)  # [T, groups]
+      choice = jnp.where(jnp.repeat(in_kept, E // groups, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+  return _gates(weights, normalize, score, factor), ids.astype(jnp.int32)
 
 
-def replayed_weights(logits_TxE: jax.Array, ids_TxK: jax.Array, *, normalize: bool) -> jax.Array:
-  """The gate values `route` would give experts `ids` (chosen elsewhere, e.g. by the sampler): the same softmax,
+def replayed_weights(logits_TxE: jax.Array, ids_TxK: jax.Array, *, normalize: bool, score: str = "softmax",
+                     factor: float = 1.0) -> jax.Array:
+  """The gate values `route` would give experts `ids` (chosen elsewhere, e.g. by the sampler): the same scores,
   read at those ids, so the router still gets gradients through them."""
-  probs = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
-  weights = jnp.take_along_axis(probs, ids_TxK, axis=-1)
-  return weights / jnp.sum(weights, axis=-1, keepdims=True) if normalize else weights
+  logits = logits_TxE.astype(jnp.float32)
+  scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
+  return _gates(jnp.take_along_axis(scores, ids_TxK, axis=-1), normalize, score, factor)
+
+
+def _gates(weights_TxK, normalize: bool, score: str, factor: float):
+  if normalize:  # DeepSeek-V3 guards the sum of sigmoids (transformers: + 1e-20); a softmax's top k never sum to 0
+    weights_TxK = weights_TxK / (jnp.sum(weights_TxK, axis=-1, keepdims=True) + (1e-20 if score == "sigmoid" else 0))
+  return weights_TxK * factor if factor != 1.0 else weights_TxK
 
 
 def gated(activation: Callable) -> Callable:

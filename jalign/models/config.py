@@ -17,8 +17,10 @@ from jalign.models.lora import LoraConfig
 
 MOE_IMPLS = ("auto", "xla", "ragged", "megablox")  # `kernels.moe.grouped_matmul`
 # `Layers` parameters stacked over the MoE layers only, and over the dense-MLP ones when an MoE model has both.
-_ROUTED = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "router_bias", "expert_gate_bias",
-           "expert_up_bias", "expert_down_bias")
+_ROUTED = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down",
+           "shared_expert_gate", "router_bias", "router_correction_bias", "expert_gate_bias", "expert_up_bias",
+           "expert_down_bias")
+ROUTER_SCORES = ("softmax", "sigmoid")
 _DENSE_MLP = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 
 
@@ -34,6 +36,9 @@ class RopeConfig:
   beta_slow: float = 1.0          # yarn only
   truncate: bool = True           # yarn only: the ramp's ends rounded to whole dimensions
   attention_factor: float | None = None  # yarn only: cos / sin scale; None = 0.1 ln(factor) + 1 (YaRN eq. 21)
+  # DeepSeek (MLA): the softmax scale times mscale(factor, mscale_all_dim)^2 as well (transformers
+  # `yarn_apply_mscale`, after DeepSeek-V2's reference); 0 = not
+  mscale_all_dim: float = 0.0
 
   def to_hf(self) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_type": self.kind, "rope_theta": self.theta}
@@ -47,6 +52,8 @@ class RopeConfig:
                  original_max_position_embeddings=self.original_max_position_embeddings)
       if self.attention_factor is not None:
         out["attention_factor"] = self.attention_factor
+    if self.mscale_all_dim:
+      out["mscale_all_dim"] = self.mscale_all_dim
     return out
 
   @property
@@ -57,6 +64,13 @@ class RopeConfig:
     if self.attention_factor is not None:
       return self.attention_factor
     return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+  @property
+  def softmax_scale(self) -> float:
+    """The factor on an MLA model's softmax scale: mscale(factor, mscale_all_dim)^2, else 1."""
+    if self.kind == "default" or not self.mscale_all_dim or self.factor <= 1:
+      return 1.0
+    return (0.1 * self.mscale_all_dim * math.log(self.factor) + 1.0) ** 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +108,22 @@ class ModelConfig:
   experts_per_token: int = 0               # k
   moe_intermediate_size: int = 0           # each expert's hidden size
   norm_topk_prob: bool = False             # renormalise the k gate values to sum to 1 (Mixtral always does)
-  shared_expert_size: int = 0              # Qwen2-MoE: a dense MLP beside the experts (its `gate/up/down`); 0 = none
+  shared_expert_size: int = 0              # a dense MLP beside the experts (`shared_gate/up/down`); 0 = none
   shared_expert_gate: bool = False         # Qwen2-MoE: the shared expert's output scaled by sigmoid(h . w)
+  # DeepSeek-V3: sigmoid scores, chosen by score + `router_correction_bias` (selection only, not trained) among the
+  # `groups_per_token` best of `expert_groups` groups (a group ranked by its two best), gates times a factor.
+  router_score: str = "softmax"            # softmax | sigmoid
+  expert_groups: int = 1
+  groups_per_token: int = 1
+  routed_scaling_factor: float = 1.0
+  # Multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434): keys and values from one compressed latent of
+  # `kv_lora_rank` per token plus a shared RoPE key of `qk_rope_head_dim`; queries through a `q_lora_rank`
+  # bottleneck (0 = one projection). head_dim = no-RoPE + RoPE dims of a query/key head. 0 = standard attention.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  rope_interleave: bool = False            # RoPE over interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's layout)
   router_aux_loss_coef: float = 0.0        # the checkpoint's load-balancing coefficient (HF config), and whether
   output_router_logits: bool = False       # transformers would train with it (`objectives.router.coefficients`)
   # gpt-oss: a learned logit per head in each attention softmax's denominator ("sinks"), a router bias, biased
@@ -142,11 +170,27 @@ class ModelConfig:
       if len(self.mlp_only_layers) == self.num_layers:
         raise ConfigError(f"mlp_only_layers names all {self.num_layers} layers: no layer is MoE (num_experts=0 for "
                           "a dense model)")
-      if not self.num_experts or self.shared_expert_size:
-        raise ConfigError(f"mlp_only_layers={list(self.mlp_only_layers)}: dense layers are supported in an MoE model "
-                          "without a shared expert (num_experts > 0, shared_expert_intermediate_size=0)")
+      if not self.num_experts:
+        raise ConfigError(f"mlp_only_layers={list(self.mlp_only_layers)}: dense layers are set in an MoE model "
+                          "(num_experts > 0)")
     if self.num_experts and self.moe_intermediate_size <= 0:
       raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size}: must be > 0 for an MoE model")
+    if self.router_score not in ROUTER_SCORES:
+      raise ConfigError(f"router_score {self.router_score!r}; accepted: {', '.join(ROUTER_SCORES)}")
+    E, G = self.num_experts, self.expert_groups
+    if E and (E % G or not 0 < self.groups_per_token <= G or (G > 1 and E // G < 2)
+              or self.experts_per_token > self.groups_per_token * E // G):
+      raise ConfigError(f"n_group={self.expert_groups}, topk_group={self.groups_per_token}: groups must split "
+                        f"num_experts={self.num_experts} evenly into groups of 2 or more, 1 <= topk_group <= n_group, "
+                        f"and the kept groups hold at least num_experts_per_tok={self.experts_per_token} experts")
+    if self.kv_lora_rank:
+      if not 0 < self.qk_rope_head_dim < self.head_dim or self.qk_rope_head_dim % 2 or self.v_head_dim <= 0:
+        raise ConfigError(f"multi-head latent attention: qk_rope_head_dim={self.qk_rope_head_dim} must be even and "
+                          f"below head_dim={self.head_dim} (qk_nope_head_dim + qk_rope_head_dim), v_head_dim="
+                          f"{self.v_head_dim} > 0")
+      if self.num_kv_heads != self.num_heads or self.qkv_bias or self.out_bias or self.qk_norm or self.attn_sinks:
+        raise ConfigError("multi-head latent attention has one key/value head per query head and no attention "
+                          "biases, q/k norms or sinks")
     if self.moe_capacity_factor < 0:
       raise ConfigError(f"moe_capacity_factor={self.moe_capacity_factor}: must be >= 0 (0 = dropless)")
     if self.moe_impl not in MOE_IMPLS:
@@ -169,11 +213,29 @@ class ModelConfig:
 
   @property
   def mlp_size(self) -> int:
-    """The dense MLP's hidden size: the model's MLP (an MoE model's `mlp_only_layers`), or an MoE model's shared
-    expert (0: it has neither)."""
+    """The dense MLP's hidden size: a dense model's, or an MoE model's `mlp_only_layers`' (0: it has none; a shared
+    expert is `shared_expert_size`)."""
     if self.num_experts and not self.mlp_only_layers:
-      return self.shared_expert_size
+      return 0
     return self.intermediate_size
+
+  @property
+  def rope_dim(self) -> int:
+    """The dims of a query / key head that RoPE rotates: all of them, or an MLA model's last `qk_rope_head_dim`."""
+    return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+  @property
+  def v_dim(self) -> int:
+    """A value head's size (an MLA model's `v_head_dim`, else head_dim)."""
+    return self.v_head_dim if self.kv_lora_rank else self.head_dim
+
+  @property
+  def cache_shape(self) -> tuple[int, int]:
+    """(heads, head size) of the decoding cache: the key/value heads, or an MLA model's one compressed head, its
+    latent and RoPE key ([c, k_rope]; its queries are absorbed into that space, `decoder._mla`)."""
+    if self.kv_lora_rank:
+      return 1, self.kv_lora_rank + self.qk_rope_head_dim
+    return self.num_kv_heads, self.head_dim
 
   @property
   def moe_layers(self) -> tuple[int, ...]:
@@ -202,7 +264,8 @@ class ModelConfig:
 
   @property
   def scale(self) -> float:
-    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+    base = (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+    return base * self.rope.softmax_scale if self.kv_lora_rank else base
 
   def layer_windows(self) -> np.ndarray:
     """Per-layer attention window (0 = unlimited) as an int32 array [L]."""
@@ -211,11 +274,11 @@ class ModelConfig:
     return np.array([w if t == "sliding_attention" else 0 for t in types], np.int32)
 
   def layer_inv_freq(self) -> np.ndarray:
-    """Per-layer RoPE inverse frequencies, float32 [L, head_dim // 2]."""
+    """Per-layer RoPE inverse frequencies, float32 [L, rope_dim // 2]."""
     types = self.layer_types or ("full_attention",) * self.num_layers
     local = self.local_rope or self.rope
-    per_type = {"full_attention": rope_inv_freq(self.rope, self.head_dim),
-                "sliding_attention": rope_inv_freq(local, self.head_dim)}
+    per_type = {"full_attention": rope_inv_freq(self.rope, self.rope_dim),
+                "sliding_attention": rope_inv_freq(local, self.rope_dim)}
     return np.stack([per_type[t] for t in types])
 
   def num_params(self, active: bool = False) -> int:
@@ -224,9 +287,15 @@ class ModelConfig:
     experts = self.experts_per_token if active else self.num_experts
     per_layer = (d * hd * (2 * h + 2 * k) + 2 * d + (hd * (h + 2 * k) if self.qkv_bias else 0)
                  + (d if self.out_bias else 0) + (2 * hd if self.qk_norm else 0) + (2 * d if self.post_norms else 0))
+    if self.kv_lora_rank:  # the router's correction bias is a buffer in transformers: not counted
+      rq, rkv = self.q_lora_rank, self.kv_lora_rank
+      q = d * rq + rq + rq * h * hd if rq else d * h * hd
+      per_layer = (q + d * (rkv + self.qk_rope_head_dim) + rkv + rkv * h * (hd - self.qk_rope_head_dim + self.v_dim)
+                   + h * self.v_dim * d + 2 * d)
     per_mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
     fe = self.moe_intermediate_size
     per_moe = (d * self.num_experts + 3 * d * fe * experts + (d if self.shared_expert_gate else 0)
+               + 3 * d * self.shared_expert_size
                + (self.num_experts if self.router_bias else 0) + ((2 * fe + d) * experts if self.expert_bias else 0))
     per_layer += h if self.attn_sinks else 0
     return (self.num_layers * per_layer + len(self.stacked_layers("gate")) * per_mlp

@@ -1,5 +1,6 @@
 """One config-driven decoder (Flax NNX) for the Llama, Mistral, Qwen2/3 and Gemma 2/3 families, and the
-Mixture-of-Experts Qwen2-MoE, Qwen3-MoE and Mixtral (`kernels.moe` for the experts).
+Mixture-of-Experts Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3 (`kernels.moe` for the experts; DeepSeek's
+multi-head latent attention in `models.mla`).
 
 Per-layer weights are stacked on a leading `layers` axis, so the same parameters run under `lax.scan` (compile time
 flat in depth) or an unrolled Python loop. Sliding/global layers differ only in their window and RoPE frequencies,
@@ -23,6 +24,7 @@ from jalign.kernels.context import shard_tokens
 from jalign.kernels.target import sequence_shards
 from jalign.kernels.zigzag import balanced_order, from_zigzag, to_zigzag
 from jalign.models import lora as lora_lib
+from jalign.models import mla
 from jalign.models import moe as moe_block
 from jalign.models.attention import apply_rope, positions_from_mask
 from jalign.models.config import ModelConfig
@@ -84,13 +86,18 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     return y if extra is None else y + extra
 
   h = rms_norm(x_BxTxD, lp["attn_norm"], cfg)
-  q, k, v = proj(h, "q"), proj(h, "k"), proj(h, "v")
-  if cfg.qkv_bias:
-    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
-  if cfg.qk_norm:
-    q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
-  q = apply_rope(q, positions_BxT, inv_freq_H2, cfg.rope.scale)
-  k = apply_rope(k, positions_BxT, inv_freq_H2, cfg.rope.scale)
+  heads_out = lambda a: a  # noqa: E731  attention's output per head -> o's input
+  if cfg.kv_lora_rank:
+    q, k, v, heads_out = mla.qkv(cfg, h, lp, proj, functools.partial(rms_norm, cfg=cfg), positions_BxT, inv_freq_H2,
+                                 absorbed=kv is not None, lora=lora)
+  else:
+    q, k, v = proj(h, "q"), proj(h, "k"), proj(h, "v")
+    if cfg.qkv_bias:
+      q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+    if cfg.qk_norm:
+      q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
+    q = apply_rope(q, positions_BxT, inv_freq_H2, cfg.rope.scale)
+    k = apply_rope(k, positions_BxT, inv_freq_H2, cfg.rope.scale)
   sinks = lp.get("sinks")  # gpt-oss
   slots = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (x_BxTxD.shape[0], n))  # noqa: E731
   q_slot_BxT = jnp.broadcast_to(q_index, q_segment_BxT.shape)
@@ -121,7 +128,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
       mask = _attention_mask(q_segment_BxT, k_segment, q_slot_BxT, slots(S), sliding_window=window)
       attn = gqa_attention(q, keys.astype(dt), values.astype(dt), mask, scale=cfg.scale, softcap=cfg.attn_softcap,
                            kv_heads_first=True, sinks=sinks)
-  out = proj(attn, "o", in_dims=2)
+  out = proj(heads_out(attn), "o", in_dims=2)
   if cfg.out_bias:
     out = out + w("o_bias")
   if cfg.post_norms:
@@ -129,16 +136,19 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
   x = x_BxTxD + out
 
   h = rms_norm(x, lp["ffw_norm"], cfg)
-  out = None
-  if "gate" in lp:  # this layer's dense MLP, or its shared expert
-    gate, up = proj(h, "gate"), proj(h, "up")
-    if cfg.mlp_bias:
+
+  def mlp(prefix: str):
+    gate, up = proj(h, prefix + "gate"), proj(h, prefix + "up")
+    if cfg.mlp_bias and not prefix:
       gate, up = gate + w("gate_bias"), up + w("up_bias")
-    out = proj(_activation(cfg.activation)(gate) * up, "down")
-    if cfg.mlp_bias:
-      out = out + w("down_bias")
-    if cfg.shared_expert_gate:  # Qwen2-MoE's shared expert, gated per token
-      out = out * jax.nn.sigmoid(_dense(h, w("shared_gate")[:, None]))
+    y = proj(_activation(cfg.activation)(gate) * up, prefix + "down")
+    return y + w("down_bias") if cfg.mlp_bias and not prefix else y
+
+  out = mlp("") if "gate" in lp else None  # this layer's dense MLP
+  if "shared_gate" in lp:  # an MoE layer's shared expert
+    out = mlp("shared_")
+    if cfg.shared_expert_gate:  # Qwen2-MoE: gated per token
+      out = out * jax.nn.sigmoid(_dense(h, w("shared_expert_gate")[:, None]))
   routing = None
   if "router" in lp:  # an MoE layer
     routed, routing = moe_block.experts(cfg, h, lp, q_segment_BxT != 0, route_ids_BxTxK,

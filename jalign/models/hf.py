@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +182,12 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
     pure["layers"][name] = place(views(spec, cfg.stacked_layers(name)), pure["layers"][name].shape,
                                  shardings["layers"][name], stacked=True)
 
-  unexpected = sorted(n for n in tensors if n not in used and not _IGNORED.search(n)
+  unused = [n for n in tensors if n not in used]
+  mtp = [n for n in unused if _is_mtp(n, prefix, cfg)]
+  if mtp:
+    warnings.warn(f"{path}: {len(mtp)} tensors of DeepSeek-V3's multi-token-prediction layers (past layer "
+                  f"{cfg.num_layers - 1}) are not loaded: the model predicts the next token only, as transformers' does")
+  unexpected = sorted(n for n in unused if not _IGNORED.search(n) and n not in mtp
                       and not (cfg.tie_embeddings and n == lm_head_prefix + "lm_head.weight"))
   if unexpected:
     more = f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""
@@ -189,6 +195,12 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
                           f"{', '.join(unexpected[:10])}{more}")
   nnx.replace_by_pure_dict(abstract_state, pure)
   return nnx.merge(graphdef, abstract_state), (None if score_weight is None else score_weight[0])
+
+
+def _is_mtp(name: str, prefix: str, cfg: ModelConfig) -> bool:
+  """A DeepSeek-V3 hub tensor of a multi-token-prediction module: stored as layers num_hidden_layers and on."""
+  m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
+  return cfg.model_type == "deepseek_v3" and m is not None and int(m.group(1)) >= cfg.num_layers
 
 
 def architectures(path: str) -> list[str]:

@@ -12,7 +12,7 @@ from jalign.models.config import ModelConfig, RopeConfig
 from jalign.models.moe import moe_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe",
-                         "qwen3_moe", "mixtral", "gpt_oss")
+                         "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # gpt-oss's transformers defaults when its config.json leaves rope_parameters out
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -45,6 +45,7 @@ def _rope_from_hf(params: dict | None, theta_default: float, where: str, max_pos
     if attention is None and mscale and mscale_all:  # DeepSeek's form (transformers `_compute_yarn_parameters`)
       m = lambda s: 0.1 * s * math.log(factor) + 1.0 if factor > 1 else 1.0  # noqa: E731
       attention = m(float(mscale)) / m(float(mscale_all))
+    rope = dataclasses.replace(rope, mscale_all_dim=float(mscale_all or 0.0))
     rope = dataclasses.replace(
         rope, factor=factor, original_max_position_embeddings=original,
         beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
@@ -74,6 +75,8 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
   n_heads = int(_require(hf, "num_attention_heads", where))
   hidden = int(_require(hf, "hidden_size", where))
   head_dim = int(hf.get("head_dim") or hidden // n_heads)
+  mla = _mla_from_hf(hf, where) if model_type == "deepseek_v3" else {}
+  head_dim = mla.pop("head_dim", head_dim)
   act_name = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
   if act_name not in _ACTIVATIONS:
     raise ConfigError(f"{where}: activation {act_name!r} is not supported; accepted: {', '.join(_ACTIVATIONS)}")
@@ -129,7 +132,8 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
   return ModelConfig(
       vocab_size=int(_require(hf, "vocab_size", where)), hidden_size=hidden,
       intermediate_size=int(_require(hf, "intermediate_size", where)), num_layers=n_layers, num_heads=n_heads,
-      num_kv_heads=int(hf.get("num_key_value_heads") or n_heads), head_dim=head_dim, model_type=model_type,
+      num_kv_heads=n_heads if mla else int(hf.get("num_key_value_heads") or n_heads), head_dim=head_dim,
+      model_type=model_type,
       max_position_embeddings=max_positions, attn_sinks=model_type == "gpt_oss",
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "gpt_oss" else 1e-6)), activation=_ACTIVATIONS[act_name],
       qkv_bias=bias or model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
@@ -143,7 +147,17 @@ def from_hf_config(hf: dict, where: str = "config.json") -> ModelConfig:
       layer_types=layer_types, bos_token_id=hf.get("bos_token_id"),
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"),
       param_dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
-      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32", **moe)
+      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32", **moe, **mla)
+
+
+def _mla_from_hf(hf: dict, where: str) -> dict[str, Any]:
+  """DeepSeek-V3's multi-head latent attention sizes (transformers' `DeepseekV3Config` defaults)."""
+  if hf.get("attention_bias"):
+    raise ConfigError(f"{where}: attention_bias=true: DeepSeek-V3 is supported without attention biases")
+  rope, nope = int(hf.get("qk_rope_head_dim", 64)), int(hf.get("qk_nope_head_dim", 128))
+  return dict(kv_lora_rank=int(hf.get("kv_lora_rank", 512)), q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0),
+              qk_rope_head_dim=rope, head_dim=nope + rope, v_head_dim=int(hf.get("v_head_dim", 128)),
+              rope_interleave=bool(hf.get("rope_interleave", True)))
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -151,7 +165,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
           "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-          "gpt_oss": "GptOssForCausalLM"}
+          "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
   model_type = cfg.model_type
   if model_type not in arch:
     raise ConfigError(f"model_type {model_type!r} cannot be exported; exportable: {', '.join(arch)}")
@@ -172,7 +186,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     hf["attention_bias"] = cfg.out_bias
   if model_type == "qwen2_moe":
     hf["qkv_bias"] = cfg.qkv_bias
-  if cfg.num_experts:
+  if cfg.num_experts and model_type != "deepseek_v3":
     hf.update(num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
               router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.output_router_logits)
     hf["num_local_experts" if model_type in ("mixtral", "gpt_oss") else "num_experts"] = cfg.num_experts
@@ -186,6 +200,8 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
                 mlp_only_layers=list(cfg.mlp_only_layers))
     if model_type == "qwen2_moe":
       hf["shared_expert_intermediate_size"] = cfg.shared_expert_size
+  if model_type == "deepseek_v3":
+    hf = _deepseek_to_hf(cfg, hf)
   if model_type == "llama":
     hf["mlp_bias"] = cfg.mlp_bias
   if gemma:
@@ -204,6 +220,23 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   hf["sliding_window"] = cfg.sliding_window if slides else None
   if cfg.layer_types and model_type not in ("mistral", "mixtral"):
     hf["layer_types"] = list(cfg.layer_types)
+  return hf
+
+
+def _deepseek_to_hf(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+  dense = cfg.mlp_only_layers
+  if dense != tuple(range(len(dense))) or (cfg.num_experts and cfg.shared_expert_size % cfg.moe_intermediate_size):
+    raise ConfigError(f"DeepSeek-V3 export: mlp_only_layers={list(dense)} must be the first layers "
+                      "(first_k_dense_replace) and shared_expert_size a multiple of moe_intermediate_size")
+  del hf["head_dim"]  # transformers derives it (qk_rope_head_dim for RoPE)
+  hf.update(attention_bias=False, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, n_routed_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_intermediate_size,
+            n_shared_experts=cfg.shared_expert_size // cfg.moe_intermediate_size, first_k_dense_replace=len(dense),
+            norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+            n_group=cfg.expert_groups, topk_group=cfg.groups_per_token, num_nextn_predict_layers=0,
+            output_router_logits=cfg.output_router_logits)
   return hf
 
 

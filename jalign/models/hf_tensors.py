@@ -72,8 +72,8 @@ _H = lambda c: (c.head_dim,)
 
 def _moe_tensors(cfg: ModelConfig, block: str) -> dict[str, Tensor]:
   """The router, the experts (hub layout: one tensor per expert; or transformers 5's fused `gate_up_proj` [E, 2F,
-  D] and `down_proj` [E, D, F]) and Qwen2-MoE's shared-expert gate, under `block` ("mlp", Mixtral's hub files
-  "block_sparse_moe")."""
+  D] and `down_proj` [E, D, F]) under `block` ("mlp", Mixtral's hub files "block_sparse_moe"), the shared expert
+  (Qwen2-MoE's with its gate) and DeepSeek-V3's correction bias."""
   fe = lambda c: c.moe_intermediate_size  # noqa: E731
   names = (("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj"))
   gate_up = (f"{block}.experts.gate_up_proj", lambda c: (c.num_experts, 2 * fe(c), c.hidden_size))
@@ -88,8 +88,46 @@ def _moe_tensors(cfg: ModelConfig, block: str) -> dict[str, Tensor]:
                              *_transpose, fused=(*down, lambda a, c: a.transpose(0, 2, 1))),
   }
   if cfg.shared_expert_gate:
-    t["shared_gate"] = Tensor("mlp.shared_expert_gate.weight", lambda c: (1, c.hidden_size),
-                               lambda a, c: a.reshape(-1), lambda a, c: a.reshape(1, -1))
+    t["shared_expert_gate"] = Tensor("mlp.shared_expert_gate.weight", lambda c: (1, c.hidden_size),
+                                     lambda a, c: a.reshape(-1), lambda a, c: a.reshape(1, -1))
+  if cfg.router_score == "sigmoid":
+    t["router_correction_bias"] = Tensor(f"{block}.gate.e_score_correction_bias", lambda c: (c.num_experts,), *_same)
+  if cfg.shared_expert_size:  # Qwen2-MoE's module is `shared_expert`, DeepSeek-V3's `shared_experts`
+    shared = "mlp.shared_experts" if cfg.model_type == "deepseek_v3" else "mlp.shared_expert"
+    fs = lambda c: c.shared_expert_size  # noqa: E731
+    t["shared_gate"] = Tensor(f"{shared}.gate_proj.weight", lambda c: (fs(c), c.hidden_size), *_transpose)
+    t["shared_up"] = Tensor(f"{shared}.up_proj.weight", lambda c: (fs(c), c.hidden_size), *_transpose)
+    t["shared_down"] = Tensor(f"{shared}.down_proj.weight", lambda c: (c.hidden_size, fs(c)), *_transpose)
+  return t
+
+
+def _heads_in(size: Callable[[ModelConfig], int], rows: Callable[[ModelConfig], int]) -> tuple:
+  """A projection into the heads, [heads * size, rows] <-> [rows, heads, size] (MLA's q_b and kv_b)."""
+  return (lambda c: (c.num_heads * size(c), rows(c)),
+          lambda a, c: a.reshape(c.num_heads, size(c), rows(c)).transpose(2, 0, 1),
+          lambda a, c: a.transpose(1, 2, 0).reshape(c.num_heads * size(c), rows(c)))
+
+
+def _mla_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
+  """DeepSeek-V3's multi-head latent attention: q (or q_a, its norm, q_b), kv_a_proj_with_mqa (latent + RoPE key),
+  its norm, kv_b (per head: keys' no-RoPE dims, then values) and o from the value heads."""
+  rq, rkv = (lambda c: c.q_lora_rank), (lambda c: c.kv_lora_rank)  # noqa: E731
+  t = {
+      "kv_a": Tensor("self_attn.kv_a_proj_with_mqa.weight",
+                     lambda c: (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size), *_transpose),
+      "kv_a_norm": Tensor("self_attn.kv_a_layernorm.weight", lambda c: (c.kv_lora_rank,), *_same),
+      "kv_b": Tensor("self_attn.kv_b_proj.weight",
+                     *_heads_in(lambda c: c.head_dim - c.qk_rope_head_dim + c.v_head_dim, rkv)),
+      "o": Tensor("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_heads * c.v_head_dim),
+                  lambda a, c: a.reshape(c.hidden_size, c.num_heads, c.v_head_dim).transpose(1, 2, 0),
+                  lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, c.num_heads * c.v_head_dim)),
+  }
+  if cfg.q_lora_rank:
+    t["q_a"] = Tensor("self_attn.q_a_proj.weight", lambda c: (c.q_lora_rank, c.hidden_size), *_transpose)
+    t["q_a_norm"] = Tensor("self_attn.q_a_layernorm.weight", lambda c: (c.q_lora_rank,), *_same)
+    t["q_b"] = Tensor("self_attn.q_b_proj.weight", *_heads_in(lambda c: c.head_dim, rq))
+  else:
+    t["q"] = Tensor("self_attn.q_proj.weight", *_proj("num_heads"))
   return t
 
 
@@ -120,22 +158,24 @@ def layer_tensors(cfg: ModelConfig, moe_block: str = "mlp") -> dict[str, Tensor]
   """jalign layer parameter name -> HF tensor, for the parameters this config has (`moe_block`: the experts' module
   name, see `_moe_tensors`)."""
   gemma = cfg.post_norms
-  mlp = "mlp.shared_expert" if cfg.shared_expert_size else "mlp"  # a dense MLP, or an MoE model's dense layers
   shape_f = lambda c: (c.mlp_size, c.hidden_size)  # noqa: E731
   t = {
       "attn_norm": Tensor("input_layernorm.weight", _D, *_same),
-      "q": Tensor("self_attn.q_proj.weight", *_proj("num_heads")),
-      "k": Tensor("self_attn.k_proj.weight", *_proj("num_kv_heads")),
-      "v": Tensor("self_attn.v_proj.weight", *_proj("num_kv_heads")),
-      "o": Tensor("self_attn.o_proj.weight", *_proj("num_heads", out=True)),
       # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma 2/3 name that one "pre_feedforward".
       "ffw_norm": Tensor("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
                           _D, *_same),
   }
-  if cfg.mlp_size:
-    t["gate"] = Tensor(f"{mlp}.gate_proj.weight", shape_f, *_transpose)
-    t["up"] = Tensor(f"{mlp}.up_proj.weight", shape_f, *_transpose)
-    t["down"] = Tensor(f"{mlp}.down_proj.weight", lambda c: (c.hidden_size, c.mlp_size), *_transpose)
+  if cfg.kv_lora_rank:
+    t.update(_mla_tensors(cfg))
+  else:
+    t.update(q=Tensor("self_attn.q_proj.weight", *_proj("num_heads")),
+             k=Tensor("self_attn.k_proj.weight", *_proj("num_kv_heads")),
+             v=Tensor("self_attn.v_proj.weight", *_proj("num_kv_heads")),
+             o=Tensor("self_attn.o_proj.weight", *_proj("num_heads", out=True)))
+  if cfg.mlp_size:  # a dense model's MLP, or an MoE model's dense layers'
+    t["gate"] = Tensor("mlp.gate_proj.weight", shape_f, *_transpose)
+    t["up"] = Tensor("mlp.up_proj.weight", shape_f, *_transpose)
+    t["down"] = Tensor("mlp.down_proj.weight", lambda c: (c.hidden_size, c.mlp_size), *_transpose)
   if cfg.num_experts:
     t.update(_gpt_oss_tensors() if cfg.model_type == "gpt_oss" else _moe_tensors(cfg, moe_block))
   if cfg.attn_sinks:

@@ -26,7 +26,8 @@ class KVCache:
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    heads, size = cfg.cache_shape
+    shape = (batch, heads, max_len, size)
     dtype = dtype or cfg.dtype
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
     return cls(zeros(), zeros(), jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))

@@ -33,10 +33,21 @@ class Layers(nnx.Module):
 
     L, Ld, Lm = cfg.num_layers, len(cfg.stacked_layers("gate")), len(cfg.moe_layers)
     self.attn_norm = p((L, D), ("layers", "norm"), norm_init)
-    self.q = p((L, D, N, H), ("layers", "embed", "heads", "head_dim"))
-    self.k = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
-    self.v = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
-    self.o = p((L, N, H, D), ("layers", "heads", "head_dim", "embed"))
+    if cfg.q_lora_rank:  # MLA's query bottleneck
+      self.q_a = p((L, D, cfg.q_lora_rank), ("layers", "embed", "latent"))
+      self.q_a_norm = p((L, cfg.q_lora_rank), ("layers", "norm"), norm_init)
+      self.q_b = p((L, cfg.q_lora_rank, N, H), ("layers", "latent", "heads", "head_dim"))
+    else:
+      self.q = p((L, D, N, H), ("layers", "embed", "heads", "head_dim"))
+    if cfg.kv_lora_rank:  # MLA: the latent and the shared RoPE key, then the latent's per-head keys (no RoPE) + values
+      R = cfg.kv_lora_rank
+      self.kv_a = p((L, D, R + cfg.qk_rope_head_dim), ("layers", "embed", "latent"))
+      self.kv_a_norm = p((L, R), ("layers", "norm"), norm_init)
+      self.kv_b = p((L, R, N, H - cfg.qk_rope_head_dim + cfg.v_dim), ("layers", "latent", "heads", "head_dim"))
+    else:
+      self.k = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+      self.v = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+    self.o = p((L, N, cfg.v_dim, D), ("layers", "heads", "head_dim", "embed"))
     if cfg.qkv_bias:
       self.q_bias = p((L, N, H), ("layers", "heads", "head_dim"), "zeros")
       self.k_bias = p((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -52,10 +63,15 @@ class Layers(nnx.Module):
       self.post_attn_norm = p((L, D), ("layers", "norm"), norm_init)
       self.post_ffw_norm = p((L, D), ("layers", "norm"), norm_init)
     self.ffw_norm = p((L, D), ("layers", "norm"), norm_init)
-    if F:  # the dense MLP (an MoE model's shared expert, or its dense layers')
+    if F:  # the dense MLP (an MoE model's dense layers')
       self.gate = p((Ld, D, F), ("layers", "embed", "mlp"))
       self.up = p((Ld, D, F), ("layers", "embed", "mlp"))
       self.down = p((Ld, F, D), ("layers", "mlp", "embed"))
+    if cfg.shared_expert_size:  # a dense MLP beside the routed experts
+      Fs = cfg.shared_expert_size
+      self.shared_gate = p((Lm, D, Fs), ("layers", "embed", "mlp"))
+      self.shared_up = p((Lm, D, Fs), ("layers", "embed", "mlp"))
+      self.shared_down = p((Lm, Fs, D), ("layers", "mlp", "embed"))
     if cfg.num_experts:
       E, Fe = cfg.num_experts, cfg.moe_intermediate_size
       self.router = p((Lm, D, E), ("layers", "embed", "router"))
@@ -64,13 +80,15 @@ class Layers(nnx.Module):
       self.expert_down = p((Lm, E, Fe, D), ("layers", "experts", "expert_mlp", "embed"))
     if cfg.router_bias:
       self.router_bias = p((Lm, cfg.num_experts), ("layers", "router"), "zeros")
+    if cfg.router_score == "sigmoid" and cfg.num_experts:  # DeepSeek-V3's selection-only bias (never trained)
+      self.router_correction_bias = p((Lm, cfg.num_experts), ("layers", "router"), "zeros")
     if cfg.expert_bias:
       E, Fe = cfg.num_experts, cfg.moe_intermediate_size
       self.expert_gate_bias = p((Lm, E, Fe), ("layers", "experts", "expert_mlp"), "zeros")
       self.expert_up_bias = p((Lm, E, Fe), ("layers", "experts", "expert_mlp"), "zeros")
       self.expert_down_bias = p((Lm, E, D), ("layers", "experts", "norm"), "zeros")
     if cfg.shared_expert_gate:
-      self.shared_gate = p((Lm, D), ("layers", "embed"))
+      self.shared_expert_gate = p((Lm, D), ("layers", "embed"))
     if cfg.mlp_bias:
       self.gate_bias = p((Ld, F), ("layers", "mlp"), "zeros")
       self.up_bias = p((Ld, F), ("layers", "mlp"), "zeros")

@@ -29,7 +29,11 @@ PROJECTIONS: dict[str, tuple[str, int]] = {
     "q": ("self_attn.q_proj", 1), "k": ("self_attn.k_proj", 1), "v": ("self_attn.v_proj", 1),
     "o": ("self_attn.o_proj", 2), "gate": ("mlp.gate_proj", 1), "up": ("mlp.up_proj", 1),
     "down": ("mlp.down_proj", 1), "expert_gate": ("mlp.experts.gate_proj", 1),
-    "expert_up": ("mlp.experts.up_proj", 1), "expert_down": ("mlp.experts.down_proj", 1)}
+    "expert_up": ("mlp.experts.up_proj", 1), "expert_down": ("mlp.experts.down_proj", 1),
+    # an MoE layer's shared expert (DeepSeek-V3's module: mlp.shared_experts), and MLA's projections
+    "shared_gate": ("mlp.shared_expert.gate_proj", 1), "shared_up": ("mlp.shared_expert.up_proj", 1),
+    "shared_down": ("mlp.shared_expert.down_proj", 1), "q_a": ("self_attn.q_a_proj", 1),
+    "q_b": ("self_attn.q_b_proj", 1), "kv_a": ("self_attn.kv_a_proj_with_mqa", 1), "kv_b": ("self_attn.kv_b_proj", 1)}
 # Routed experts' projections: stacked [layers, experts, in, out], so their adapters are one per expert, A [L, E, in,
 # r] and B [L, E, r, out] (the layout of PEFT on per-expert modules), applied by the experts' grouped matmuls.
 EXPERTS = ("expert_gate", "expert_up", "expert_down")
@@ -72,20 +76,18 @@ def resolve_targets(patterns: tuple[str, ...]) -> tuple[str, ...]:
     if not hits:
       accepted = ", ".join(hf.split(".")[-1] for hf, _ in PROJECTIONS.values())
       raise ConfigError(f"LoRA target {pattern!r} matches no projection; accepted: 'all-linear', {accepted} (or "
-                       "the jalign names q, k, v, o, gate, up, down, expert_gate, expert_up, expert_down, or a regex "
-                       "over them)")
+                       f"the jalign names {', '.join(PROJECTIONS)}, or a regex over them)")
     chosen.extend(h for h in hits if h not in chosen)
   return tuple(name for name in PROJECTIONS if name in chosen)
 
 
 def model_targets(layers, cfg: LoraConfig) -> tuple[str, ...]:
-  """The targeted projections this model has: an MoE model's dense MLP projections are its shared expert's (absent
-  when it has none), its routed experts' are `EXPERTS` (each pattern that names an MLP projection, as "gate_proj",
-  matches the experts' too, as it does PEFT's per-expert modules)."""
+  """The targeted projections this model has: each pattern that names an MLP projection, as "gate_proj", matches
+  the dense layers', the shared expert's and the routed experts' (`EXPERTS`) alike, as it does PEFT's modules."""
   names = tuple(n for n in resolve_targets(cfg.targets) if hasattr(layers, n))
   if not names:
-    raise ConfigError(f"LoRA targets {list(cfg.targets)} match no projection this model has (an MoE model without "
-                      "a shared expert has no dense MLP projections: target q, k, v, o, or the experts)")
+    raise ConfigError(f"LoRA targets {list(cfg.targets)} match no projection this model has; it has: "
+                      f"{', '.join(n for n in PROJECTIONS if hasattr(layers, n))}")
   return names
 
 
@@ -136,6 +138,18 @@ def project(h, lp: dict, name: str, dense, cfg: LoraConfig | None, dropout_key=N
     x = jnp.where(keep, h / (1 - cfg.dropout), 0).astype(h.dtype)
   down = dense(x, lp[name + SUFFIX_A].astype(h.dtype), PROJECTIONS[name][1])
   return (cfg.scale * dense(down, lp[name + SUFFIX_B].astype(h.dtype), 1)).astype(h.dtype)
+
+
+def folded(lp: dict, name: str, cfg: LoraConfig | None) -> jax.Array:
+  """Projection `name`'s weight with its adapter folded in, W + scale * A @ B (W itself without one): for a form
+  that uses the weight other than as x @ W (MLA's absorbed decoding)."""
+  w = lp[name]
+  if cfg is None or name + SUFFIX_A not in lp:
+    return w
+  a, b = lp[name + SUFFIX_A].astype(jnp.float32), lp[name + SUFFIX_B].astype(jnp.float32)
+  rank = a.shape[-1]
+  delta = a.reshape(-1, rank) @ b.reshape(rank, -1)
+  return (w.astype(jnp.float32) + cfg.scale * delta.reshape(w.shape)).astype(w.dtype)
 
 
 def is_adapter(path: tuple) -> bool:

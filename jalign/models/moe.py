@@ -47,7 +47,9 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
   logits_NxE = h_NxD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
   if "router_bias" in lp:  # gpt-oss
     logits_NxE = logits_NxE + lp["router_bias"].astype(jnp.float32)
-  weights_NxK, own_NxK = moe.route(logits_NxE, k, normalize=cfg.norm_topk_prob)
+  router = dict(normalize=cfg.norm_topk_prob, score=cfg.router_score, factor=cfg.routed_scaling_factor)
+  weights_NxK, own_NxK = moe.route(logits_NxE, k, bias_E=lp.get("router_correction_bias"), groups=cfg.expert_groups,
+                                   groups_kept=cfg.groups_per_token, **router)
   ids_NxK = own_NxK
   real_N = real_BxT.reshape(-1).astype(jnp.float32)
   recorded_N = jnp.zeros_like(real_N)
@@ -60,7 +62,7 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
     missed_N = jnp.where(has_N, missed_N, 0).astype(jnp.float32)
     if replay:
       rec_NxK = jnp.where(has_N[:, None], rec_NxK, own_NxK)
-      weights_NxK = jnp.where(has_N[:, None], moe.replayed_weights(logits_NxE, rec_NxK, normalize=cfg.norm_topk_prob),
+      weights_NxK = jnp.where(has_N[:, None], moe.replayed_weights(logits_NxE, rec_NxK, **router),
                               weights_NxK)
       ids_NxK = rec_NxK
   dropped = jnp.zeros(())
@@ -75,9 +77,13 @@ def experts(cfg, h_BxTxD, lp: dict[str, jax.Array], real_BxT, recorded_BxTxK, ac
                         lp["expert_up"].astype(dt), lp["expert_down"].astype(dt), glu(cfg, activation),
                         impl=cfg.moe_impl, adapters=jax.tree.map(lambda a: a.astype(dt), adapters),
                         adapter_scale=adapter_scale, biases=biases, adapter_dropout=adapter_dropout)
-  probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
+  if cfg.router_score == "softmax":
+    probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
+  else:  # sigmoid scores normalised over the experts: DeepSeek-V3's balance-loss affinities (arXiv:2412.19437 eq. 19)
+    scores_NxE = jax.nn.sigmoid(logits_NxE)
+    probs_NxE = scores_NxE / jnp.sum(scores_NxE, axis=-1, keepdims=True)
   lse_N = jax.nn.logsumexp(logits_NxE, axis=-1)
-  entropy_N = lse_N - jnp.sum(probs_NxE * logits_NxE, axis=-1)
+  entropy_N = -jnp.sum(probs_NxE * jnp.log(jnp.maximum(probs_NxE, 1e-30)), axis=-1)
   chosen_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, cfg.num_experts, dtype=jnp.float32), axis=1)
   routing = Routing(ids_NxK.reshape(B, T, k), real_N @ chosen_NxE, real_N @ probs_NxE, real_N @ lse_N ** 2,
                     real_N @ entropy_N, real_N @ missed_N, jnp.sum(recorded_N), dropped, jnp.sum(real_N))
@@ -128,7 +134,10 @@ def merge(prompts, responses, group_size: int):
 
 
 def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[str, Any]:
-  """The MoE fields of `ModelConfig` from a Qwen2-MoE / Qwen3-MoE / Mixtral config.json ({} for dense families)."""
+  """The MoE fields of `ModelConfig` from a Qwen2-MoE / Qwen3-MoE / Mixtral / gpt-oss / DeepSeek-V3 config.json ({}
+  for dense families)."""
+  if model_type == "deepseek_v3":
+    return _deepseek_from_hf(hf, n_layers, where)
   if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
     return {}
   experts = hf.get("num_experts", hf.get("num_local_experts"))
@@ -143,10 +152,6 @@ def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[st
   if len(dense) == n_layers:
     raise ConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={only} leave no sparse layer in "
                       f"{n_layers}; load it as a dense model")
-  if dense and (hf.get("shared_expert_intermediate_size") or 0):
-    raise ConfigError(f"{where}: mlp_only_layers / decoder_sparse_step make layers {list(dense)} dense beside a "
-                      "shared expert (shared_expert_intermediate_size > 0); dense layers are supported in MoE models "
-                      "without one")
   out["mlp_only_layers"] = dense
   out.update(router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
              output_router_logits=bool(hf.get("output_router_logits", False)))
@@ -162,6 +167,26 @@ def moe_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> dict[st
     out.update(shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0))
     out.update(shared_expert_gate=out["shared_expert_size"] > 0)
   return out
+
+
+def _deepseek_from_hf(hf: dict, n_layers: int, where: str) -> dict[str, Any]:
+  """DeepSeek-V3's routing (sigmoid scores, correction bias, groups, scaled gates), shared experts and first dense
+  layers, as transformers' `DeepseekV3Config` reads them."""
+  if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+    raise ConfigError(f"{where}: scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r}: "
+                      "DeepSeek-V3 routing is scoring_func 'sigmoid' with topk_method 'noaux_tc'")
+  first_dense = int(hf.get("first_k_dense_replace", 3))
+  if not 0 <= first_dense < n_layers:
+    raise ConfigError(f"{where}: first_k_dense_replace={first_dense}: must be in [0, num_hidden_layers={n_layers})")
+  fe = int(_need(hf, "moe_intermediate_size", where))
+  return dict(num_experts=int(hf.get("n_routed_experts", 256)), experts_per_token=int(hf.get("num_experts_per_tok", 8)),
+              moe_intermediate_size=fe, shared_expert_size=fe * int(hf.get("n_shared_experts") or 0),
+              mlp_only_layers=tuple(range(first_dense)), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+              router_score="sigmoid", expert_groups=int(hf.get("n_group") or 1),
+              groups_per_token=int(hf.get("topk_group") or 1),
+              routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+              # transformers trains DeepSeek-V3 without a load-balancing loss (its balance is the correction bias)
+              router_aux_loss_coef=0.0, output_router_logits=bool(hf.get("output_router_logits", False)))
 
 
 def _need(hf: dict, key: str, where: str):

@@ -33,6 +33,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("experts", "expert"),
     ("expert_mlp", "tensor"),
     ("router", None),
+    ("latent", None),  # MLA's compressed query / key-value dims: small, kept whole
     ("head_dim", None),
     ("layers", None),
     ("norm", None),

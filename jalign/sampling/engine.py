@@ -67,7 +67,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   widest = prompt_bucket(max(map(len, reals)), bucket_min)
   lm = nnx.merge(graphdef, params)
   # Where decode attention is a kernel it reads each slot up to its own length, in pages: no common bound needed.
-  ragged = decode_impl(lm.cfg.decode_attention, None, lm.cfg.head_dim, PAGE, lm.cfg.attn_sinks) != "xla"
+  ragged = decode_impl(lm.cfg.decode_attention, None, lm.cfg.cache_shape[1], PAGE, lm.cfg.attn_sinks) != "xla"
   fit = lambda n: -(-n // PAGE) * PAGE if ragged else n  # noqa: E731
   keep = prefix is not None
   prefix = prefix or PrefixCache()

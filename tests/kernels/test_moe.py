@@ -82,6 +82,48 @@ def test_route_is_softmax_top_k(normalize):
   np.testing.assert_allclose(moe.replayed_weights(jnp.asarray(logits), ids, normalize=normalize), weights, rtol=1e-6)
 
 
+def _np_group_limited(logits, bias, k, groups, kept, normalize, factor):
+  """DeepSeek-V3's routing per token, as its paper states it (arXiv:2412.19437 eqs. 13-16, node-limited routing
+  sec. 2.1.2) and transformers' `DeepseekV3TopkRouter` computes it, one token at a time in NumPy."""
+  E = logits.shape[1]
+  ids, weights = [], []
+  for row in logits:
+    s = 1 / (1 + np.exp(-row.astype(np.float64)))
+    choice = s + bias
+    per_group = choice.reshape(groups, E // groups)
+    group_score = np.sort(per_group, axis=1)[:, -2:].sum(1)
+    allowed = np.zeros(E, bool)
+    for g in np.argsort(-group_score, kind="stable")[:kept]:
+      allowed[g * E // groups:(g + 1) * E // groups] = True
+    top = [e for e in np.argsort(-np.where(allowed, choice, -np.inf), kind="stable")[:k]]
+    w = s[top] / (s[top].sum() + 1e-20) if normalize else s[top]
+    ids.append(top)
+    weights.append(w * factor)
+  return np.array(ids), np.array(weights)
+
+
+@pytest.mark.parametrize("groups,kept,normalize", [(4, 2, True), (1, 1, False), (8, 3, True)])
+def test_sigmoid_routing_with_groups_and_a_correction_bias_equals_numpy(groups, kept, normalize):
+  """The bias moves choices but never weights; gates are sigmoid scores, renormalised or not, times the factor;
+  only experts of the `kept` best groups (ranked by their two best biased scores) are chosen; replaying the choices
+  gives the same gates, and the bias gets no gradient."""
+  rng = np.random.RandomState(5)
+  logits = rng.randn(64, 16).astype(np.float32)
+  bias = (rng.randn(16) * 0.5).astype(np.float32)
+  kw = dict(normalize=normalize, score="sigmoid", factor=2.5)
+  weights, ids = moe.route(jnp.asarray(logits), 3, bias_E=jnp.asarray(bias), groups=groups, groups_kept=kept, **kw)
+  want_ids, want = _np_group_limited(logits, bias, 3, groups, kept, normalize, 2.5)
+  np.testing.assert_array_equal(np.sort(ids, 1), np.sort(want_ids, 1))
+  order = lambda i, w: np.take_along_axis(w, np.argsort(i, 1), 1)  # noqa: E731
+  np.testing.assert_allclose(order(ids, weights), order(want_ids, want), rtol=1e-5)
+  unbiased = moe.route(jnp.asarray(logits), 3, groups=groups, groups_kept=kept, **kw)[1]
+  assert np.mean(np.sort(unbiased, 1) != np.sort(ids, 1)) > 0.05  # the bias steers choices
+  np.testing.assert_allclose(moe.replayed_weights(jnp.asarray(logits), ids, **kw), weights, rtol=1e-6)
+  grad = jax.grad(lambda b: jnp.sum(moe.route(jnp.asarray(logits), 3, bias_E=b, groups=groups, groups_kept=kept,
+                                               **kw)[0]))(jnp.asarray(bias))
+  assert not np.any(np.asarray(grad))
+
+
 def _experts(t=40, d=16, f=24, e=8, k=2, seed=3):
   rng = np.random.RandomState(seed)
   x = rng.randn(t, d).astype(np.float32)

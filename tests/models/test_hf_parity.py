@@ -59,7 +59,7 @@ def test_bf16_stored_weights_load_exactly(family_ckpt, tmp_path):
   want = ref.hf_logits(model_fp32, ids, mask)
   assert ref.max_diff(lm(jnp.asarray(ids), jnp.asarray(mask)), want, mask) <= 1e-4, family
   # Loaded without a dtype, the checkpoint's bf16 is kept.
-  assert models.from_pretrained(path).layers.q[...].dtype == jnp.bfloat16
+  assert models.from_pretrained(path).layers.o[...].dtype == jnp.bfloat16
 
 
 def test_bf16_compute_is_close(family_ckpt):

@@ -8,7 +8,7 @@ import torch
 import transformers
 from flax import nnx
 
-from jalign import models
+from jalign import models, sampling
 from jalign.models import lora
 from tests import hf_reference as ref
 
@@ -32,8 +32,9 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
     a = np.asarray(getattr(lm.layers, name + lora.SUFFIX_A)[...], np.float32)
     b = np.asarray(getattr(lm.layers, name + lora.SUFFIX_B)[...], np.float32)
     for j, i in enumerate(lm.cfg.stacked_layers(name)):  # the layers this projection (and adapter) has
-      # An MoE model's dense MLP projections are its shared expert's (or its dense layers' own MLP).
-      hf = HF_NAMES[name].replace("mlp.", "mlp.shared_expert.") if lm.cfg.shared_expert_size else HF_NAMES[name]
+      hf = HF_NAMES[name]
+      if lm.cfg.model_type == "deepseek_v3":  # its shared experts' module
+        hf = hf.replace("mlp.shared_expert.", "mlp.shared_experts.")
       module = model.model.layers[i].get_submodule(hf)
       a_i = torch.tensor(a[j].reshape(-1, cfg.rank))
       b_i = torch.tensor(b[j].reshape(cfg.rank, -1))
@@ -48,11 +49,14 @@ def _torch_lora_logits(model, lm, cfg: lora.LoraConfig, ids, mask):
 
 @pytest.mark.parametrize("family,targets", [("llama", ("all-linear",)), ("qwen2", ("q_proj", "v_proj", "down")),
                                             ("qwen2_moe", ("all-linear",)), ("qwen3_moe", ("all-linear",)),
-                                            ("qwen3_moe_dense_layers", ("all-linear",)), ("gpt_oss", ("all-linear",))])
+                                            ("qwen3_moe_dense_layers", ("all-linear",)), ("gpt_oss", ("all-linear",)),
+                                            ("deepseek_v3", ("all-linear",))])
 def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, tmp_path):
-  """MoE models: all-linear takes the attention, the shared expert (Qwen2-MoE) or the dense layers' MLP, and the
-  routed experts (one adapter each). The hooks add the dense projections' adapters; with the experts' own randomised too, the reference is
-  transformers on the merged export (its expert loop over W + scale A B, ours the grouped matmuls of W and of A, B)."""
+  """MoE models: all-linear takes the attention (DeepSeek-V3's latent projections), the shared expert (Qwen2-MoE,
+  DeepSeek-V3) and the dense layers' MLP, and the routed experts (one adapter each). The hooks add the dense
+  projections' adapters; with the experts' own randomised too, the reference is transformers on the merged export
+  (its expert loop over W + scale A B, ours the grouped matmuls of W and of A, B). DeepSeek-V3's decoding folds
+  kv_b's adapter into its absorbed form: greedy decoding with adapters equals the merged model's."""
   model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / "in"))
   ids, mask = ref.batch(model.config.vocab_size)
@@ -62,9 +66,11 @@ def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, t
   fresh = np.asarray(lm(jnp.asarray(ids), jnp.asarray(mask)))
   np.testing.assert_allclose(fresh, base, atol=1e-6)  # B starts at zero: a fresh adapter changes nothing
 
-  experts = ("expert_gate", "expert_up", "expert_down")
-  want = {"qwen3_moe": ("q", "k", "v", "o") + experts, "gpt_oss": ("q", "k", "v", "o") + experts}.get(
-      family, tuple(n for n in lora.resolve_targets(targets) if "moe" in family or n not in experts))
+  experts, attn, mlp = ("expert_gate", "expert_up", "expert_down"), ("q", "k", "v", "o"), ("gate", "up", "down")
+  shared = ("shared_gate", "shared_up", "shared_down")
+  want = {"llama": attn + mlp, "qwen2": ("q", "v", "down"), "qwen2_moe": attn + experts + shared,
+          "qwen3_moe": attn + experts, "qwen3_moe_dense_layers": attn + mlp + experts, "gpt_oss": attn + experts,
+          "deepseek_v3": ("o",) + mlp + experts + shared + ("q_a", "q_b", "kv_a", "kv_b")}[family]
   assert lora.model_targets(lm.layers, cfg) == want
   _randomise_adapters(lm)
   if lm.cfg.num_experts:
@@ -85,6 +91,11 @@ def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, t
   models.save_pretrained(lm, tmp_path / "merged")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
   assert ref.max_diff(ref.hf_logits(back, ids, mask), ours, mask) <= 1e-4
+  if family == "deepseek_v3":
+    merged = models.from_pretrained(str(tmp_path / "merged"))
+    greedy = lambda m: sampling.generate(m, ids * mask, mask, jax.random.key(0), max_new_tokens=6,  # noqa: E731
+                                         temperature=0.0).tokens
+    np.testing.assert_array_equal(greedy(lm), greedy(merged))
 
 
 def test_partition_disable_and_targets():
@@ -102,8 +113,8 @@ def test_partition_disable_and_targets():
   assert not np.any(np.asarray(off["layers"]["q_lora_b"])) and off["embed"] is params["embed"]
   assert off["layers"]["q_lora_a"] is not params["layers"]["q_lora_a"]  # never aliases the trained adapters
   assert lora.resolve_targets(("all-linear",)) == tuple(lora.PROJECTIONS)
-  # An HF module name matches the routed experts' projections of that name too (as PEFT on per-expert modules).
-  assert lora.resolve_targets(("gate_proj", "up")) == ("gate", "up", "expert_gate")
+  # An HF module name matches the routed and shared experts' projections of that name too (as PEFT's modules).
+  assert lora.resolve_targets(("gate_proj", "up")) == ("gate", "up", "expert_gate", "shared_gate")
   with pytest.raises(ValueError, match="matches no projection; accepted: 'all-linear', q_proj"):
     lora.resolve_targets(("qkv_proj",))
   with pytest.raises(ValueError, match="already has LoRA"):

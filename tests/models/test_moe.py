@@ -44,7 +44,7 @@ def test_parameter_counts_equal_transformers(family, tmp_path):
   c = model.config
   f = getattr(c, "moe_intermediate_size", None) or c.intermediate_size  # Mixtral, gpt-oss: intermediate_size
   per_expert = 3 * c.hidden_size * f + (2 * f + c.hidden_size if family == "gpt_oss" else 0)  # gpt-oss: biases
-  sparse = c.num_hidden_layers - len(getattr(c, "mlp_only_layers", None) or [])
+  sparse = c.num_hidden_layers - len(getattr(c, "mlp_only_layers", None) or []) - getattr(c, "first_k_dense_replace", 0)
   assert cfg.num_params() - cfg.num_params(active=True) == sparse * per_expert * (
       cfg.num_experts - cfg.experts_per_token)
 
@@ -168,8 +168,22 @@ def test_dense_and_sparse_layer_settings_and_unsupported_layouts():
     from_hf_config({**hf, "mlp_only_layers": [0, 1, 2, 3]}, where="m/config.json")
   shared = {**hf, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 40}
   assert from_hf_config(shared).shared_expert_gate
-  with pytest.raises(ConfigError, match=r"make layers \[0, 2\] dense beside a shared expert"):
-    from_hf_config({**shared, "decoder_sparse_step": 2})
+  both = from_hf_config({**shared, "decoder_sparse_step": 2})  # dense layers beside MoE ones with a shared expert
+  assert both.mlp_only_layers == (0, 2) and both.stacked_layers("shared_up") == (1, 3)
+  assert both.stacked_layers("up") == (0, 2) and both.mlp_size == 64
+  deepseek = dict(model_type="deepseek_v3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
+                  n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=8,
+                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+  assert from_hf_config(deepseek).moe_layers == (1, 2, 3)
+  with pytest.raises(ConfigError, match=r"n_group=3, topk_group=2: groups must split num_experts=8 evenly"):
+    from_hf_config({**deepseek, "n_group": 3})
+  with pytest.raises(ConfigError, match=r"the kept groups hold at least num_experts_per_tok=6"):
+    from_hf_config({**deepseek, "num_experts_per_tok": 6})
+  with pytest.raises(ConfigError, match=r"scoring_func='softmax'.*DeepSeek-V3 routing is scoring_func 'sigmoid'"):
+    from_hf_config({**deepseek, "scoring_func": "softmax"})
+  with pytest.raises(ConfigError, match=r"attention_bias=true"):
+    from_hf_config({**deepseek, "attention_bias": True})
   with pytest.raises(ConfigError, match=r"mlp_only_layers=\[2, 1\]: must be distinct, ascending"):
     cfg.replace(mlp_only_layers=(2, 1))
   with pytest.raises(ConfigError, match=r"num_experts_per_tok=7: must be in \[1, num_experts=6\]"):
@@ -213,7 +227,8 @@ def test_router_terms_equal_transformers_load_balancing_loss_with_padding(family
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("qwen3_moe_dense_layers", marks=pytest.mark.long),
-                                    "gpt_oss"])  # CI time: dense layers next to sparse ones: test_dense_and_sparse_*
+                                    "gpt_oss", "deepseek_v3"])  # CI time: dense layers next to sparse ones:
+# test_dense_and_sparse_*
 def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_they_agree(family, tmp_path):
   """Replaying a forward's own choices gives the same hidden states (mismatch exactly 0); replaying another
   model's choices routes every token by them (the layer reports them as used, the mismatch counts the differences)
@@ -251,6 +266,52 @@ def test_routing_replay_routes_by_the_given_experts_and_changes_nothing_when_the
   grad = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).forward_routed(ids, mask, route_ids=theirs.ids_BxTxK)[0]
                                     ** 2))(params)
   assert float(jnp.abs(grad["layers"]["router"][...]).max()) > 0
+  if lm.cfg.router_score == "sigmoid":  # DeepSeek-V3's correction bias only steers the choice: never trained
+    assert not np.any(np.asarray(grad["layers"]["router_correction_bias"][...]))
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped_by_name(tmp_path):
+  """The hub's DeepSeek-V3 files carry its multi-token-prediction module as layer num_hidden_layers (transformers
+  ignores it too): loading says so and skips it; any other stray tensor is still an error."""
+  model = ref.build("deepseek_v3")
+  path = ref.save(model, tmp_path / "m")
+  file = str(tmp_path / "m" / "model.safetensors")
+  state = safetensors.torch.load_file(file)
+  n = model.config.num_hidden_layers
+  state[f"model.layers.{n}.eh_proj.weight"] = state["model.layers.0.self_attn.o_proj.weight"].clone()
+  safetensors.torch.save_file(state, file)
+  with pytest.warns(UserWarning, match=rf"1 tensors of DeepSeek-V3's multi-token-prediction layers \(past layer {n-1}"):
+    lm = models.from_pretrained(path, dtype="float32")
+  ids, mask = ref.batch(model.config.vocab_size)
+  assert ref.max_diff(lm(jnp.asarray(ids), jnp.asarray(mask)), ref.hf_logits(model, ids, mask), mask) <= 1e-4
+  state["model.layers.0.mlp.stray.weight"] = state.pop(f"model.layers.{n}.eh_proj.weight")
+  safetensors.torch.save_file(state, file)
+  with pytest.raises(Exception, match="unexpected weights for model_type 'deepseek_v3': model.layers.0.mlp.stray"):
+    models.from_pretrained(path)
+
+
+def test_deepseek_v3_on_an_expert_parallel_mesh_equals_one_device_value_and_gradient(tmp_path):
+  """Multi-head latent attention with its heads over `tensor`, the shared experts and the dense first layer over
+  fsdp x tensor, the routed experts over `expert` (all-to-all): value and gradient equal one device."""
+  model = ref.build("deepseek_v3")
+  path = ref.save(model, tmp_path / "m")
+  ids, mask = (jnp.asarray(a) for a in ref.batch(model.config.vocab_size))
+  cot = jnp.asarray(np.random.RandomState(0).randn(*ids.shape, model.config.vocab_size), jnp.float32)
+
+  def value_and_grad(lm):
+    graphdef, params = nnx.split(lm)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids, mask) * cot)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  v1, g1 = value_and_grad(models.from_pretrained(path))
+  mesh = models.make_mesh((1, 2, 2, 2), jax.devices()[:8])
+  lm8 = models.from_pretrained(path, mesh=mesh)
+  assert lm8.layers.kv_b[...].sharding.spec[2] == "tensor" and lm8.layers.expert_up[...].sharding.spec[1] == "expert"
+  with jax.set_mesh(mesh):
+    v8, g8 = value_and_grad(lm8)
+  np.testing.assert_allclose(v8, v1, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_router_settings_on_a_dense_model_or_a_task_without_router_terms_are_errors():

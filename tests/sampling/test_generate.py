@@ -29,7 +29,7 @@ def _hf_greedy(model, ids, mask, eos):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gemma2", "qwen3_moe", "qwen2_moe", "mixtral",
-                                    "qwen3_moe_dense_layers", "gpt_oss"])
+                                    "qwen3_moe_dense_layers", "gpt_oss", "deepseek_v3", "deepseek_v3_q_proj"])
 def test_greedy_equals_transformers_generate(family, tmp_path):
   model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / family))
