@@ -420,3 +420,45 @@ def test_fit_presets_count_the_parameters_transformers_builds(arch, hf):
   for key in ("num_experts", "moe_intermediate_size", "attn_sinks", "router_bias", "expert_bias", "swiglu_limit",
               "layer_types", "sliding_window", "rope", "qkv_bias", "out_bias", "norm_topk_prob"):
     assert getattr(back, key) == getattr(cfg, key), key
+
+
+def test_deepseek_v3_layers_compile_for_a_tpu_slice():
+  """DeepSeek-V3's attention at its own head sizes (query/key heads of 128 + 64 RoPE dims, values of 128, a latent
+  of 512, a query bottleneck) with its routing (sigmoid, 4 groups, 2 kept) and shared experts, a dense first layer,
+  bf16, compiled for a v5e-4 slice over fsdp: a training step's value and gradient runs splash attention and the
+  megablox grouped matmuls (Mosaic kernels), and a decode step reads the latent cache, one head of 576 per token."""
+  from jalign.models.kv_cache import KVCache
+  from jalign.models.sharding import state_shardings
+  from jalign.parallel import tpu_target
+  cfg = models.ModelConfig(
+      model_type="deepseek_v3", vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_layers=2,
+      num_heads=8, num_kv_heads=8, head_dim=192, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
+      v_head_dim=128, rope_interleave=True, num_experts=16, experts_per_token=4, moe_intermediate_size=256,
+      shared_expert_size=256, mlp_only_layers=(0,), router_score="sigmoid", expert_groups=4, groups_per_token=2,
+      routed_scaling_factor=2.5, norm_topk_prob=True, param_dtype="bfloat16", dtype="bfloat16")
+  assert cfg.cache_shape == (1, 576)
+  mesh = models.make_mesh((1, 4, 1), tpu_target.target("v5e-4").devices)
+  abstract = nnx.eval_shape(lambda: models.Decoder(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nnx.to_pure_dict(state),
+                        nnx.to_pure_dict(state_shardings(abstract, mesh)))
+  rows = jax.sharding.NamedSharding(mesh, jax.P(("data", "fsdp")))
+  ids = jax.ShapeDtypeStruct((4, 4096), jnp.int32, sharding=rows)
+
+  def loss(p, ids):
+    hidden = nnx.merge(graphdef, p).forward(ids)[0]
+    return jnp.mean(hidden.astype(jnp.float32) ** 2)
+
+  def decode(p, cache, token, position):
+    return nnx.merge(graphdef, p).forward(token, positions=position, cache=cache)[0]
+
+  with jax.set_mesh(mesh):
+    step = jax.jit(jax.value_and_grad(loss)).lower(params, ids).compile()
+    cache = jax.eval_shape(lambda: KVCache.init(cfg, 4, 4096))
+    one = jax.ShapeDtypeStruct((4, 1), jnp.int32, sharding=rows)
+    decoded = jax.jit(decode).lower(params, cache, one, one).compile()
+  text = step.as_text()
+  assert text.count("tpu_custom_call") >= 4  # splash forward and backward, megablox per projection
+  assert tpu_target.temporaries(step.memory_analysis()) < 2 * 2**30
+  assert cache.k[0].shape == (4, 1, 4096, 576) and decoded.memory_analysis() is not None
+

@@ -1,7 +1,7 @@
 """The experts an MoE model's sampler used for each token (`generate(record_routes=True)`), for routing replay: the
-static path and the continuous-batching engine record the same ones, laid out like the prompt and response
-columns; a teacher-forced forward over the same tokens routes each recorded token the same way (fp32), and replaying
-them changes nothing."""
+static path and the continuous-batching engine (DeepSeek-V3: decoding over its latent cache) record the same ones,
+laid out like the prompt and response columns; a teacher-forced forward over the same tokens routes each recorded
+token the same way (fp32), and replaying them changes nothing."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +14,7 @@ from tests import hf_reference as ref
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_moe_dense_layers"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_moe_dense_layers", "deepseek_v3"])
 def moe(request, tmp_path_factory):
   model = ref.build(request.param)
   return models.from_pretrained(ref.save(model, tmp_path_factory.mktemp("m") / "moe"), dtype="float32")
