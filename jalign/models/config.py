@@ -232,7 +232,7 @@ class ModelConfig:
   @property
   def cache_shape(self) -> tuple[int, int]:
     """(heads, head size) of the decoding cache: the key/value heads, or an MLA model's one compressed head, its
-    latent and RoPE key ([c, k_rope]; its queries are absorbed into that space, `decoder._mla`)."""
+    latent and RoPE key ([c, k_rope]; its queries are absorbed into that space, `models.mla.qkv`)."""
     if self.kv_lora_rank:
       return 1, self.kv_lora_rank + self.qk_rope_head_dim
     return self.num_kv_heads, self.head_dim

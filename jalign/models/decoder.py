@@ -144,7 +144,7 @@ def decoder_layer(cfg: ModelConfig, x_BxTxD, lp: dict[str, jax.Array], window, i
     y = proj(_activation(cfg.activation)(gate) * up, prefix + "down")
     return y + w("down_bias") if cfg.mlp_bias and not prefix else y
 
-  out = mlp("") if "gate" in lp else None  # this layer's dense MLP
+  out = mlp("") if "gate" in lp else None  # a dense layer's MLP
   if "shared_gate" in lp:  # an MoE layer's shared expert
     out = mlp("shared_")
     if cfg.shared_expert_gate:  # Qwen2-MoE: gated per token

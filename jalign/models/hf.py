@@ -186,7 +186,8 @@ def _load(path: str, dtype, mesh, *, rules, compute_dtype, score: bool, **overri
   mtp = [n for n in unused if _is_mtp(n, prefix, cfg)]
   if mtp:
     warnings.warn(f"{path}: {len(mtp)} tensors of DeepSeek-V3's multi-token-prediction layers (past layer "
-                  f"{cfg.num_layers - 1}) are not loaded: the model predicts the next token only, as transformers' does")
+                  f"{cfg.num_layers - 1}) are not loaded: the model predicts the next token only, as transformers' "
+                  "does")
   unexpected = sorted(n for n in unused if not _IGNORED.search(n) and n not in mtp
                       and not (cfg.tie_embeddings and n == lm_head_prefix + "lm_head.weight"))
   if unexpected:

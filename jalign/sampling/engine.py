@@ -59,8 +59,9 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   `stats`, when given, gets `decode_steps` and the cache positions a step reads on average: `read_bound` (the
   dense form's, every slot to the common bound) and `read_lengths` (a per-slot-length kernel's); and this call's
   prompt tokens of all requests (`prompt_tokens`) against those prefilled (`prefill_tokens`): a group's prompt is
-  prefilled once. `prefix` (a `PrefixCache`, not with recorded routes): the slots are kept for the next call, a
-  prompt that extends a held sequence prefills only the rest, and identical prompts of a call are prefilled once;
+  prefilled once. `prefix` (a `PrefixCache`): the slots are kept for the next call, a prompt that extends a held
+  sequence prefills only the rest (its recorded routes: the held prefix's, then the prefill's), and identical
+  prompts of a call are prefilled once;
   `weights`: the model's own arrays (before any re-layout for sampling), which the held keys and values belong to."""
   g = s.num_samples
   reals = [np.asarray(ids[m == 1], np.int32) for ids, m in zip(prompt_ids, prompt_mask)]
@@ -90,6 +91,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
   # prompt -> the held slot with its longest prefix; held slot -> the queued prompts that want it (its references)
   wants = {b: prefix.match(reals[b], free)[0] for b in queue} if keep else {}
   refs: dict[int, int] = {}
+  held_routes: dict[int, np.ndarray] = {}  # request -> the routes of the held prefix it read (recorded routes only)
   for slot in wants.values():
     refs[slot] = refs.get(slot, 0) + 1
   serving: dict[int, int] = {}  # slot -> request
@@ -99,7 +101,7 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
       for b in admit if keep else ():
         refs[wants[b]] -= 1
       state, max_len = _admit(prefill, params, state, prefix, keep, admit, reals, free, refs, serving, budgets_N,
-                              rng, s, bucket_min, fit, ragged)
+                              rng, s, bucket_min, fit, ragged, held_routes)
     running = np.asarray(state.running_S)
     if running.any():
       longest = int(np.asarray(state.cache.index)[running].max()) + chunk
@@ -115,13 +117,21 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
                                                      state.step_S[idx], state.stopped_S[idx]))
       out_tokens[rows], out_logp[rows] = tokens, logp
       out_len[rows], out_stop[rows] = steps, stopped
-      for slot, request, t, k in zip(finished, rows, tokens, steps) if keep else ():
-        # the slot holds the prompt and every token but the last (sampled, never fed back)
-        prefix.held[slot] = np.concatenate([reals[request // g], t[:k - 1]]).astype(np.int32)
       if out_routes is not None:
         prompt, response = jax.device_get((state.prompt_routes_SxPxLxK[idx], state.routes_SxRxLxK[idx]))
         width = min(p_in, prompt.shape[1])
         out_routes[rows, p_in - width:p_in], out_routes[rows, p_in:] = prompt[:, prompt.shape[1] - width:], response
+        for request in rows:  # a held prefix's experts: the prefill ran (and recorded) only the tokens past it
+          held = held_routes.pop(request, None)
+          if held is not None:
+            start = p_in - len(reals[request // g])
+            out_routes[request, start:start + len(held)] = held
+      for slot, request, t, k in zip(finished, rows, tokens, steps) if keep else ():
+        # the slot holds the prompt and every token but the last (sampled, never fed back)
+        real = reals[request // g]
+        prefix.held[slot] = np.concatenate([real, t[:k - 1]]).astype(np.int32)
+        if out_routes is not None:
+          prefix.routes[slot] = out_routes[request, p_in - len(real):p_in + k - 1].copy()
       free.update(finished)
   prefix.cache = state.cache
   if stats is not None:
@@ -133,10 +143,11 @@ def run(graphdef, params, prompt_ids, prompt_mask, budgets_N, rng, s: Settings, 
 
 
 def _admit(prefill, params, state: Slots, prefix: PrefixCache, keep: bool, admit, reals, free: set, refs: dict,
-           serving: dict, budgets_N, rng, s: Settings, bucket_min: int, fit, ragged: bool):
+           serving: dict, budgets_N, rng, s: Settings, bucket_min: int, fit, ragged: bool, held_routes: dict):
   """One prefill call for the admitted prompts' requests (a group each): the rows it runs (the part of each prompt
-  past its held prefix; identical prompts once when `keep`), the slots its requests take. Returns the state and the
-  slots' length (grown when a row's prefix and bucket need more)."""
+  past its held prefix; identical prompts once when `keep`), the slots its requests take; with recorded routes,
+  `held_routes` gets each request's held prefix's experts. Returns the state and the slots' length (grown when a
+  row's prefix and bucket need more)."""
   g = s.num_samples
   rows, row_of, requests = [], {}, []  # rows: (source slot, prefix length, prompt); requests: (row, request)
   for b in admit:
@@ -147,7 +158,11 @@ def _admit(prefill, params, state: Slots, prefix: PrefixCache, keep: bool, admit
       src, c = prefix.match(real, free) if keep else (-1, 0)
       row = row_of[real.tobytes()] = len(rows)
       rows.append((src, min(c, len(real) - 1), real))  # at least one token to prefill: its logits start the reply
-    requests += [(row, b * g + i) for i in range(g)]
+    src, c, _ = rows[row]
+    for i in range(g):
+      requests.append((row, b * g + i))
+      if s.routes and c:
+        held_routes[b * g + i] = prefix.routes[src][:c]
   t = prompt_bucket(max(len(real) - c for _, c, real in rows), bucket_min)
   need = max(c for _, c, _ in rows) + t
   if need > state.cache.segment_BxS.shape[1]:  # a long held prefix and the bucket past it

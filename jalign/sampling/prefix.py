@@ -7,7 +7,8 @@ observation. The engine reads a held prefix by copying it on the device into the
 place), so a slot is never shared while requests run; between calls a held slot is referenced by the queued
 requests whose best prefix it is, and only a slot no queued request references is rewritten while another is free
 (least recently used first). Held keys and values belong to the weights that computed them: new weights (or a new
-model) drop them all.
+model) drop them all. With recorded routes (MoE routing replay) a slot holds its tokens' experts too, so a request
+that reads a held prefix reports the experts that computed the prefix's keys and values.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class PrefixCache:
   same weights; it counts `prompt_tokens` (every request's prompt) and `prefill_tokens` (those the prefills ran)."""
   cache: KVCache | None = None
   held: list = dataclasses.field(default_factory=list)   # per slot: the token ids it holds (packed from 0) or None
+  routes: list = dataclasses.field(default_factory=list)  # per slot: with recorded routes, the experts of those
+                                                          # tokens, [len, L, k] int32 (None otherwise)
   used: list = dataclasses.field(default_factory=list)   # per slot: the call that last wrote it
   calls: int = 0
   weights: tuple = ()  # weak references to the arrays of the weights that computed `cache`
@@ -41,6 +44,7 @@ class PrefixCache:
     same = len(leaves) == len(self.weights) and all(r() is x for r, x in zip(self.weights, leaves))
     if self.cache is None or not same:
       self.cache, self.held, self.used = init(slots, max_len), [None] * slots, [0] * slots
+      self.routes = [None] * slots
       self.weights = tuple(map(weakref.ref, leaves))
     self.grow(slots, max_len)
     self.calls += 1
@@ -55,6 +59,7 @@ class PrefixCache:
       self.cache = KVCache(tuple(map(pad, c.k)), tuple(map(pad, c.v)),
                            jnp.pad(c.segment_BxS, ((0, more), (0, longer))), jnp.pad(c.index, (0, more)))
       self.held += [None] * more
+      self.routes += [None] * more
       self.used += [0] * more
 
   def match(self, real: np.ndarray, slots) -> tuple[int, int]:

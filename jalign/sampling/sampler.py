@@ -64,8 +64,6 @@ def generate(lm: Decoder, prompt_ids, prompt_mask, rng, *, max_new_tokens: int, 
     raise ValueError(f"slots={slots} cannot hold a group of num_samples={num_samples}")
   if prefix_cache is not None and slots is None:
     raise ValueError("prefix_cache needs continuous batching: pass slots (0 = one per request)")
-  if prefix_cache is not None and record_routes:
-    raise ValueError("prefix_cache and record_routes: a held prefix's experts are not kept; use one of them")
   graphdef, params = nnx.split(lm)
   weights = params
   if mesh is not None and rules is not None:

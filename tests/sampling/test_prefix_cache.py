@@ -1,7 +1,8 @@
 """Prefix caching (`generate(..., slots=k, prefix_cache=PrefixCache())`): multi-turn calls whose prompts extend the
 previous call's prompts and replies give the samples of the same calls without the cache (same keys), while the
 prefills run only the new tokens: the reply's last token and the observation. With fewer slots than episodes the
-held prefixes are rewritten and the samples stay the same; new weights drop what is held."""
+held prefixes are rewritten and the samples stay the same; new weights drop what is held. An MoE model's recorded
+routes over a held prefix are the slot's."""
 import jax
 import numpy as np
 import pytest
@@ -19,10 +20,10 @@ def llama(tmp_path_factory):
   return path, models.from_pretrained(path)
 
 
-def _episodes(lm, prefix, slots: int, turns: int = 3):
+def _episodes(lm, prefix, slots: int, turns: int = 3, routes: list | None = None):
   """Six episodes (the second and fourth start from one prompt, as a record's episodes do) over `turns` calls; each
   next prompt is the last one, the reply and a 1-5 token observation. Returns per call (tokens, lengths, log-probs,
-  prompt tokens, tokens prefilled)."""
+  prompt tokens, tokens prefilled); `routes` (a list): record the experts and append each call's."""
   rng = np.random.RandomState(3)
   vocab = lm.cfg.vocab_size
   rows = [rng.randint(3, vocab, n).tolist() for n in (30, 9, 17, 9, 4, 22)]
@@ -32,7 +33,10 @@ def _episodes(lm, prefix, slots: int, turns: int = 3):
     ids, mask = left_pad_ids(rows, 0)
     stats = {}
     gen = sampling.generate(lm, ids, mask, jax.random.key(call), max_new_tokens=MAX_NEW, temperature=1.0,
-                            stop_token_ids=(7,), slots=slots, chunk=4, prefix_cache=prefix, stats=stats)
+                            stop_token_ids=(7,), slots=slots, chunk=4, prefix_cache=prefix, stats=stats,
+                            record_routes=routes is not None)
+    if routes is not None:
+      routes.append((np.asarray(gen.routes), mask))
     tokens, lengths, logp = map(np.asarray, (gen.tokens, gen.lengths, gen.logprobs))
     out.append((tokens, lengths, logp, stats["prompt_tokens"], stats["prefill_tokens"], [len(r) for r in rows]))
     rows = [r + tokens[i, :lengths[i]].tolist() + rng.randint(3, vocab, rng.randint(1, 6)).tolist()
@@ -89,6 +93,27 @@ def test_new_weights_drop_what_is_held(llama):
   out = sampling.generate(again, ids, mask, jax.random.key(0), **kw)
   assert prefix.prefill_tokens - before == 6
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(first.tokens))
+
+
+def test_recorded_routes_over_a_held_prefix_are_the_experts_that_computed_it(tmp_path):
+  """An MoE model recording its routes (routing replay): with the cache a turn's prompt routes over its held prefix
+  come from the slot (the experts its prefill and decode steps used), the rest from this call's prefill. In fp32 the
+  sampler routes a token as a forward over the same tokens does, so they equal the routes of the same calls without
+  the cache (a whole prefill of every prompt), every real prompt and fed token has them, and the samples are the
+  same."""
+  lm = models.from_pretrained(ref.save(ref.build("qwen3_moe"), tmp_path / "moe"), dtype="float32")
+  plain_routes, cached_routes = [], []
+  plain = _episodes(lm, None, slots=6, turns=2, routes=plain_routes)
+  prefix = sampling.PrefixCache()
+  cached = _episodes(lm, prefix, slots=6, turns=2, routes=cached_routes)
+  _same_samples(cached, plain)
+  assert sum(c[4] for c in cached[1:]) < sum(c[4] for c in plain[1:]) / 2  # the later turns prefill far less
+  for (a, mask), (b, _), (_, lengths, *_) in zip(cached_routes, plain_routes, cached):
+    np.testing.assert_array_equal(a, b)
+    p = mask.shape[1]
+    assert np.all((a[:, :p, 0, 0] >= 0) == (mask == 1))  # every real prompt token, no pad
+    fed = np.arange(a.shape[1] - p)[None] < (lengths - 1)[:, None]  # the response tokens fed back
+    assert np.all((a[:, p:, 0, 0] >= 0) == fed)
 
 
 def test_bad_prefix_cache_use(llama):

@@ -68,11 +68,11 @@ def sampler(lm, tok, rng, *, max_turn_tokens: int, temperature: float, pad_id: i
             record_routes: bool = False, prefix_cache: bool = True, **kwargs) -> SampleFn:
   """A SampleFn over `sampling.generate`'s continuous batching (`slots`; 0 = one per row of the call; left-padded
   prompts; each call folds a counter into `rng`); `record_routes`: with each turn's experts (an MoE policy).
-  `prefix_cache` (not with `record_routes`): the slots keep each episode's conversation between calls, so a turn
-  prefills only the model's last token and the new observation, and a record's episodes share their first prompt's
-  prefill (`sampling.PrefixCache`, held as long as this SampleFn)."""
+  `prefix_cache`: the slots keep each episode's conversation between calls, so a turn prefills only the model's
+  last token and the new observation, and a record's episodes share their first prompt's prefill
+  (`sampling.PrefixCache`, held as long as this SampleFn; with `record_routes`, the held tokens' experts too)."""
   calls = [0]
-  prefix = sampling.PrefixCache() if prefix_cache and not record_routes else None
+  prefix = sampling.PrefixCache() if prefix_cache else None
 
   def sample(rows: list[list[int]]):
     ids, mask = left_pad_ids(rows, pad_id)
