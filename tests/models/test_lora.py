@@ -8,8 +8,9 @@ import torch
 import transformers
 from flax import nnx
 
-from jalign import models, sampling
+from jalign import models
 from jalign.models import lora
+from jalign.models.kv_cache import KVCache
 from tests import hf_reference as ref
 
 HF_NAMES = {name: hf for name, (hf, _) in lora.PROJECTIONS.items()}
@@ -56,7 +57,7 @@ def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, t
   DeepSeek-V3) and the dense layers' MLP, and the routed experts (one adapter each). The hooks add the dense
   projections' adapters; with the experts' own randomised too, the reference is transformers on the merged export
   (its expert loop over W + scale A B, ours the grouped matmuls of W and of A, B). DeepSeek-V3's decoding folds
-  kv_b's adapter into its absorbed form: greedy decoding with adapters equals the merged model's."""
+  kv_b's adapter into its absorbed form: a prefill into a cache gives the same logits."""
   model = ref.build(family)
   lm = models.from_pretrained(ref.save(model, tmp_path / "in"))
   ids, mask = ref.batch(model.config.vocab_size)
@@ -91,11 +92,9 @@ def test_adapter_forward_matches_torch_lora_and_merged_export(family, targets, t
   models.save_pretrained(lm, tmp_path / "merged")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
   assert ref.max_diff(ref.hf_logits(back, ids, mask), ours, mask) <= 1e-4
-  if family == "deepseek_v3":
-    merged = models.from_pretrained(str(tmp_path / "merged"))
-    greedy = lambda m: sampling.generate(m, ids * mask, mask, jax.random.key(0), max_new_tokens=6,  # noqa: E731
-                                         temperature=0.0).tokens
-    np.testing.assert_array_equal(greedy(lm), greedy(merged))
+  if family == "deepseek_v3":  # a prefill into a decoding cache: the absorbed form, kv_b's adapter folded in
+    hidden, _ = lm.forward(jnp.asarray(ids), jnp.asarray(mask), cache=KVCache.init(lm.cfg, *ids.shape))
+    assert ref.max_diff(lm.logits(hidden), ours, mask) <= 1e-4
 
 
 def test_partition_disable_and_targets():

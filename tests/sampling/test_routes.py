@@ -14,7 +14,9 @@ from tests import hf_reference as ref
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_moe_dense_layers", "deepseek_v3"])
+# CI time: a dense layer between MoE ones in the long tier; deepseek_v3's first layer is dense
+@pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("qwen3_moe_dense_layers", marks=pytest.mark.long),
+                                        "deepseek_v3"])
 def moe(request, tmp_path_factory):
   model = ref.build(request.param)
   return models.from_pretrained(ref.save(model, tmp_path_factory.mktemp("m") / "moe"), dtype="float32")
