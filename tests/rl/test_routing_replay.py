@@ -118,10 +118,11 @@ def test_replay_needs_experts(tmp_path):
 
 @pytest.mark.long  # CI time: recorded experts in a run: test_online_grpo_replays_the_samplers_experts
 def test_multi_turn_episodes_record_each_tokens_experts(moe_policy):
-  """Three turns with the environment's ids between them: each call re-reads the conversation, and every token of
-  the episode keeps the experts of the last call that read it (the prefill for earlier turns and observations, the
-  decode for the last turn's tokens, whose final token no call reads). A teacher-forced fp32 forward over the whole
-  episode routes every recorded token the same way."""
+  """Three turns with the environment's ids between them, sampled with the prefix cache: every token of the episode
+  keeps the experts that computed its keys and values (the first prompt's prefill, each turn's decode steps, the
+  next call's prefill for a turn's last token and the observation; the held conversation's from its slot; the final
+  token is never read). A teacher-forced fp32 forward over the whole episode routes every recorded token the same
+  way."""
   from jalign.rl.agentic import agent
   from jalign.rl.agentic import env as env_lib
   lm = models.from_pretrained(moe_policy, dtype="float32")
