@@ -47,12 +47,12 @@ def interleave(even: np.ndarray, odd: np.ndarray) -> np.ndarray:
 
 
 def _proj(heads_attr: str, out: bool = False) -> tuple:
-  """q/k/v ([heads*hd, D] <-> [D, heads, hd]) or o ([D, heads*hd] <-> [heads, hd, D])."""
+  """q/k/v ([heads*hd, D] <-> [D, heads, hd]) or o ([D, heads*v] <-> [heads, v, D], v the value heads' size)."""
   n = lambda c: getattr(c, heads_attr)
   if out:
-    return (lambda c: (c.hidden_size, n(c) * c.head_dim),
-            lambda a, c: a.reshape(c.hidden_size, n(c), c.head_dim).transpose(1, 2, 0),
-            lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, n(c) * c.head_dim))
+    return (lambda c: (c.hidden_size, n(c) * c.v_dim),
+            lambda a, c: a.reshape(c.hidden_size, n(c), c.v_dim).transpose(1, 2, 0),
+            lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, n(c) * c.v_dim))
   return (lambda c: (n(c) * c.head_dim, c.hidden_size),
           lambda a, c: a.reshape(n(c), c.head_dim, c.hidden_size).transpose(2, 0, 1),
           lambda a, c: a.transpose(1, 2, 0).reshape(n(c) * c.head_dim, c.hidden_size))
@@ -110,7 +110,7 @@ def _heads_in(size: Callable[[ModelConfig], int], rows: Callable[[ModelConfig], 
 
 def _mla_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
   """DeepSeek-V3's multi-head latent attention: q (or q_a, its norm, q_b), kv_a_proj_with_mqa (latent + RoPE key),
-  its norm, kv_b (per head: keys' no-RoPE dims, then values) and o from the value heads."""
+  its norm and kv_b (per head: keys' no-RoPE dims, then values)."""
   rq, rkv = (lambda c: c.q_lora_rank), (lambda c: c.kv_lora_rank)  # noqa: E731
   t = {
       "kv_a": Tensor("self_attn.kv_a_proj_with_mqa.weight",
@@ -118,9 +118,6 @@ def _mla_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
       "kv_a_norm": Tensor("self_attn.kv_a_layernorm.weight", lambda c: (c.kv_lora_rank,), *_same),
       "kv_b": Tensor("self_attn.kv_b_proj.weight",
                      *_heads_in(lambda c: c.head_dim - c.qk_rope_head_dim + c.v_head_dim, rkv)),
-      "o": Tensor("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_heads * c.v_head_dim),
-                  lambda a, c: a.reshape(c.hidden_size, c.num_heads, c.v_head_dim).transpose(1, 2, 0),
-                  lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, c.num_heads * c.v_head_dim)),
   }
   if cfg.q_lora_rank:
     t["q_a"] = Tensor("self_attn.q_a_proj.weight", lambda c: (c.q_lora_rank, c.hidden_size), *_transpose)
@@ -165,13 +162,13 @@ def layer_tensors(cfg: ModelConfig, moe_block: str = "mlp") -> dict[str, Tensor]
       "ffw_norm": Tensor("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
                           _D, *_same),
   }
+  t["o"] = Tensor("self_attn.o_proj.weight", *_proj("num_heads", out=True))
   if cfg.kv_lora_rank:
     t.update(_mla_tensors(cfg))
   else:
     t.update(q=Tensor("self_attn.q_proj.weight", *_proj("num_heads")),
              k=Tensor("self_attn.k_proj.weight", *_proj("num_kv_heads")),
-             v=Tensor("self_attn.v_proj.weight", *_proj("num_kv_heads")),
-             o=Tensor("self_attn.o_proj.weight", *_proj("num_heads", out=True)))
+             v=Tensor("self_attn.v_proj.weight", *_proj("num_kv_heads")))
   if cfg.mlp_size:  # a dense model's MLP, or an MoE model's dense layers'
     t["gate"] = Tensor("mlp.gate_proj.weight", shape_f, *_transpose)
     t["up"] = Tensor("mlp.up_proj.weight", shape_f, *_transpose)

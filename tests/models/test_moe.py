@@ -126,11 +126,9 @@ def test_an_moe_model_on_a_mesh_equals_one_device_value_and_gradient(shape, tmp_
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_dense_and_sparse_layers_scanned_unrolled_rematerialised_and_sharded_agree(tmp_path):
-  """A model whose dense layer sits between MoE ones runs as three scans (runs of alike layers); unrolled, with
-  full remat, and on a (1, 2, 1, 2) mesh (expert parallel) it gives the same value and gradient."""
-  model = ref.build("qwen3_moe_dense_layers")
-  path = ref.save(model, tmp_path / "m")
+def _value_and_grad(model):
+  """value_and_grad(lm): the jitted value and gradient of sum(logits x a fixed random cotangent) over `ref.batch`
+  for `model`'s vocabulary (left-padded rows)."""
   ids, mask = (jnp.asarray(a) for a in ref.batch(model.config.vocab_size))
   cot = jnp.asarray(np.random.RandomState(0).randn(*ids.shape, model.config.vocab_size), jnp.float32)
 
@@ -138,7 +136,15 @@ def test_dense_and_sparse_layers_scanned_unrolled_rematerialised_and_sharded_agr
     graphdef, params = nnx.split(lm)
     loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids, mask) * cot)  # noqa: E731
     return jax.jit(jax.value_and_grad(loss))(params)
+  return value_and_grad
 
+
+def test_dense_and_sparse_layers_scanned_unrolled_rematerialised_and_sharded_agree(tmp_path):
+  """A model whose dense layer sits between MoE ones runs as three scans (runs of alike layers); unrolled, with
+  full remat, and on a (1, 2, 1, 2) mesh (expert parallel) it gives the same value and gradient."""
+  model = ref.build("qwen3_moe_dense_layers")
+  path = ref.save(model, tmp_path / "m")
+  value_and_grad = _value_and_grad(model)
   lm = models.from_pretrained(path, dtype="float32")
   assert lm.layers.gate.shape == (1, 32, 64) and lm.layers.expert_gate.shape == (3, 6, 32, 24)
   v1, g1 = value_and_grad(lm)
@@ -295,14 +301,7 @@ def test_deepseek_v3_on_an_expert_parallel_mesh_equals_one_device_value_and_grad
   fsdp x tensor, the routed experts over `expert` (all-to-all): value and gradient equal one device."""
   model = ref.build("deepseek_v3")
   path = ref.save(model, tmp_path / "m")
-  ids, mask = (jnp.asarray(a) for a in ref.batch(model.config.vocab_size))
-  cot = jnp.asarray(np.random.RandomState(0).randn(*ids.shape, model.config.vocab_size), jnp.float32)
-
-  def value_and_grad(lm):
-    graphdef, params = nnx.split(lm)
-    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids, mask) * cot)  # noqa: E731
-    return jax.jit(jax.value_and_grad(loss))(params)
-
+  value_and_grad = _value_and_grad(model)
   v1, g1 = value_and_grad(models.from_pretrained(path))
   mesh = models.make_mesh((1, 2, 2, 2), jax.devices()[:8])
   lm8 = models.from_pretrained(path, mesh=mesh)
