@@ -224,7 +224,8 @@ def model_flops(model_cfg, tokens_shape, params_total: int, trainable_params: in
   share = 1 - model_cfg.experts_per_token / model_cfg.num_experts if model_cfg.num_experts else 0
   trainable_idle = idle if trainable_params == params_total else int(routed_adapters * share)
   dense = 4 * (params_total - embed - idle) + 2 * max(trainable_params - embed - trainable_idle, 0)
-  attention = 6 * model_cfg.num_layers * t * model_cfg.num_heads * model_cfg.head_dim
+  # q . k over head_dim, p . v over the value heads' size (an MLA model's differ)
+  attention = 3 * model_cfg.num_layers * t * model_cfg.num_heads * (model_cfg.head_dim + model_cfg.v_dim)
   return float(tokens) * (dense + attention)
 
 

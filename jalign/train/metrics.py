@@ -26,9 +26,10 @@ PEAK_HBM = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.039e12, "TPU v4": 1.2e12,
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token: 6 N (forward + backward of every matmul weight, the LM head included, the embedding
   lookup excluded; an MoE model's active parameters: its k experts of E) plus the attention term 12 L H Dh T (PaLM,
-  Chowdhery et al. 2022, appendix B)."""
+  Chowdhery et al. 2022, appendix B), half of it over the query/key heads' size and half over the value heads'
+  (an MLA model's differ)."""
   n = cfg.num_params(active=True) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)  # a tied table is the head
-  return 6.0 * n + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+  return 6.0 * n + 6.0 * cfg.num_layers * cfg.num_heads * (cfg.head_dim + cfg.v_dim) * seq_len
 
 
 def _by_device_kind(table: dict) -> float | None:
